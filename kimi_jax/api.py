@@ -1,0 +1,212 @@
+"""The small public API used by the CLI, notebooks and benchmarks.
+
+    model = kimi_jax.load("checkpoints/target", drafter="checkpoints/drafter")
+    model.logits(ids)                                        # float32 [.., t, vocab]
+    out = model.generate("def fib(n):", max_new_tokens=64, method="ddtree", budget=32)
+    out.text, out.tokens, out.stats
+
+``generate`` compiles one program per (method, budget, batch, bucketed lengths) ahead of time and runs the
+whole generation in a single dispatch; ``stream`` runs a fixed number of rounds per dispatch and yields the
+tokens each chunk accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax import checkpoint, engine
+from kimi_jax.config import ModelConfig
+from kimi_jax.engine import GenerationError
+from kimi_jax.model.transformer import full_logits
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]            # new tokens per batch row (stop token kept)
+    text: list[str] | None             # decoded tokens when a tokenizer is loaded
+    stats: dict
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Round lengths up to a power of two so a handful of programs serve every prompt length."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+class Model:
+    def __init__(self, config: ModelConfig, params, tokenizer=None, drafter=None, mesh=None):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.drafter = drafter            # kimi_jax.drafter.Drafter or None
+        self.mesh = mesh
+        self._programs = {}
+
+    # ---- inputs ------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[list[int]]:
+        """A string, a list of ids, or a batch of either -> list of id lists (validated)."""
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
+            if self.tokenizer is None:
+                raise GenerationError("this model has no tokenizer: pass token ids instead of text")
+            rows = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids = [self.tokenizer.encode(r) for r in rows]
+        else:
+            arr = prompt if isinstance(prompt, (list, tuple)) else np.asarray(prompt).tolist()
+            ids = [list(map(int, r)) for r in arr] if arr and isinstance(arr[0], (list, tuple)) else [list(map(int, arr))]
+        for r in ids:
+            if not r:
+                raise GenerationError("empty prompt: give at least one token")
+            bad = [t for t in r if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise GenerationError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def logits(self, token_ids) -> np.ndarray:
+        """Float32 logits of a full causal forward over token ids [t] or [b, t]."""
+        ids = np.asarray(token_ids)
+        single = ids.ndim == 1
+        rows = self.encode(ids[None] if single else ids)
+        if len(rows[0]) > self.config.max_position_embeddings:
+            raise GenerationError(f"{len(rows[0])} tokens exceed the context of {self.config.max_position_embeddings}")
+        out = np.asarray(_full_logits(self.params, self.config, jnp.asarray(np.asarray(rows, np.int32))))
+        return out[0] if single else out
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def _spec(self, method, budget, temperature) -> engine.Spec:
+        if method not in engine.METHODS:
+            raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
+        if budget is not None and budget < 0:
+            raise GenerationError(f"budget must be >= 0, got {budget}")
+        if temperature < 0 or not np.isfinite(temperature):
+            raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+        if method == "ar":
+            return engine.Spec(self.config, "ar", 0, temperature > 0)
+        if self.drafter is None:
+            raise GenerationError(f"method {method!r} needs a drafter: kimi_jax.load(path, drafter=...)")
+        block = self.drafter.config.block_size
+        if method == "dflash":
+            budget = block - 1
+        elif budget is None:
+            budget = 2 * (block - 1)
+        return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block)
+
+    def _layout(self, rows, max_new, spec):
+        longest = max(map(len, rows))
+        need = longest + max_new + spec.budget + 1
+        if need > self.config.max_position_embeddings:
+            raise GenerationError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.budget + 1}) = {need} "
+                f"exceeds the context of {self.config.max_position_embeddings}; shorten the prompt or "
+                "lower max_new_tokens")
+        t = min(_bucket(longest), self.config.max_position_embeddings)
+        max_len = min(_bucket(need, 64), self.config.max_position_embeddings)
+        prompt = np.zeros((len(rows), t), np.int32)
+        for i, r in enumerate(rows):
+            prompt[i, :len(r)] = r
+        return prompt, np.asarray([len(r) for r in rows], np.int32), max_len
+
+    def _program(self, spec, prompt, max_new, max_len):
+        key = (spec, prompt.shape, max_new, max_len)
+        if key not in self._programs:
+            t0 = time.perf_counter()
+            args = self._args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0)
+            lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
+            self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
+        return self._programs[key]
+
+    def _args(self, prompt, lens, temperature, seed):
+        dparams = None if self.drafter is None else self.drafter.params
+        return (self.params, dparams, jnp.asarray(prompt), jnp.asarray(lens),
+                jnp.float32(max(temperature, 1e-6)), jax.random.key(seed))
+
+    def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
+                 temperature: float = 0.0, seed: int = 0) -> Generation:
+        """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call."""
+        method = method or ("ddtree" if self.drafter is not None else "ar")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        spec = self._spec(method, budget, temperature)
+        rows = self.encode(prompt)
+        prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
+        program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
+        t0 = time.perf_counter()
+        state, nan = program(*self._args(prompt_arr, lens, temperature, seed))
+        n_out, out, accepted, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.rounds))
+        elapsed = time.perf_counter() - t0
+        if nan:
+            raise GenerationError("the model produced NaN logits; check the weights and dtype")
+        return self._result(out, n_out, accepted, int(rounds), elapsed, compile_s, dispatches=1)
+
+    def _result(self, out, n_out, accepted, rounds, elapsed, compile_s, dispatches) -> Generation:
+        tokens = [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
+        taus = [a[a > 0].tolist() for a in accepted]
+        all_taus = [t for row in taus for t in row]
+        new = int(sum(map(len, tokens)))
+        stats = dict(new_tokens=new, rounds=rounds, tau_per_round=taus,
+                     mean_tau=float(np.mean(all_taus)) if all_taus else 0.0, seconds=elapsed,
+                     tokens_per_s=new / elapsed if elapsed > 0 else float("inf"), compile_s=compile_s,
+                     dispatches=dispatches)
+        text = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
+        return Generation(tokens, text, stats)
+
+    def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
+               temperature: float = 0.0, seed: int = 0, rounds_per_dispatch: int = 4) -> Iterator[list[list[int]]]:
+        """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
+        method = method or ("ddtree" if self.drafter is not None else "ar")
+        spec = self._spec(method, budget, temperature)
+        rows = self.encode(prompt)
+        prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
+        t0 = time.perf_counter()
+        args = self._args(prompt_arr, lens, temperature, seed)
+        state, nan = engine.prefill_program(*args, spec=spec, max_new=max_new_tokens, max_len=max_len)
+        dispatches, seen = 1, np.zeros(len(rows), np.int64)
+        while True:
+            n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
+            chunk = [out[i, seen[i]:n_out[i]].tolist() for i in range(len(rows))]
+            seen = n_out.copy()
+            if any(chunk):
+                yield chunk
+            if done.all() or bool(nan):
+                break
+            state, bad = engine.chunk_program(self.params, args[1], state, spec=spec, rounds=rounds_per_dispatch)
+            nan = nan | bad
+            dispatches += 1
+        if bool(nan):
+            raise GenerationError("the model produced NaN logits; check the weights and dtype")
+        accepted, rounds = jax.device_get((state.accepted, state.rounds))
+        yield self._result(out, n_out, accepted, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
+
+
+_full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form",))
+
+
+def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None) -> Model:
+    """Load a kimi_jax checkpoint (orbax) or an HF checkpoint directory (float weights)."""
+    if not os.path.isdir(path):
+        raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
+    if checkpoint.is_kimi_checkpoint(path):
+        cfg, params = checkpoint.restore(path, dtype=dtype)
+    elif os.path.exists(os.path.join(path, "config.json")):
+        cfg, params = checkpoint.load_hf(path, dtype=dtype or jnp.float32)
+    else:
+        raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
+    tok = None
+    tok_dir = tokenizer or path
+    try:
+        from kimi_jax.tokenizer import load_tokenizer
+        tok = load_tokenizer(tok_dir)
+    except (FileNotFoundError, ImportError, ValueError):
+        if tokenizer is not None:
+            raise
+    model = Model(cfg, params, tokenizer=tok, mesh=mesh)
+    if drafter is not None:
+        from kimi_jax.drafter import load_drafter
+        model.drafter = load_drafter(drafter, cfg)
+    return model

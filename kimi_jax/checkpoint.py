@@ -1,0 +1,244 @@
+"""Weights in and out: HF safetensors import and orbax save/restore.
+
+Two on-disk formats:
+
+* an **HF checkpoint directory** (``config.json`` + ``model.safetensors`` or sharded safetensors with
+  ``model.safetensors.index.json``), DeepSeek-V3 tensor names with the ``model.`` prefix (K2, K2-Thinking) or
+  ``language_model.model.`` (K2.5, K2.6); vision tensors and ``rotary_emb.inv_freq`` are skipped;
+* a **kimi_jax checkpoint directory**: ``kimi_config.json`` (our ModelConfig) + ``params/`` (an orbax
+  checkpoint of the params pytree). Orbax writes into a temporary directory and renames it when complete,
+  so an interrupted save never leaves a half-written ``params/``.
+
+Every tensor is checked against the shape the config implies; a mismatch names the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.transformer import ParamSpec, abstract_params, param_specs
+
+CONFIG_FILE = "kimi_config.json"
+PARAMS_DIR = "params"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or cannot be read; the message names the tensor."""
+
+
+# ---- HF safetensors --------------------------------------------------------------------------------------
+
+class SafetensorsReader:
+    """Reads tensors by name from one or several safetensors files, lazily (one tensor in memory at a time)."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.files = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(directory, "model.safetensors")
+            if not os.path.exists(single):
+                raise CheckpointError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+            with safe_open(single, "numpy") as f:
+                self.files = {k: "model.safetensors" for k in f.keys()}
+        self._open = {}
+        self._safe_open = safe_open
+        self.prefix = "language_model." if any(k.startswith("language_model.") for k in self.files) else ""
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.files
+
+    def get(self, name: str) -> np.ndarray:
+        key = self.prefix + name
+        if key not in self.files:
+            raise CheckpointError(f"tensor {key!r} is missing from {self.directory}")
+        fname = self.files[key]
+        if fname not in self._open:
+            try:
+                self._open[fname] = self._safe_open(os.path.join(self.directory, fname), "numpy")
+            except Exception as e:  # truncated header, missing shard, ...
+                raise CheckpointError(f"cannot read shard {fname} of {self.directory}: {e}") from e
+        try:
+            return self._open[fname].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {key!r} from {fname}: {e}") from e
+
+
+def _hf_to_float32(a: np.ndarray, name: str) -> np.ndarray:
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        raise CheckpointError(f"tensor {name!r} has dtype {a.dtype}, expected a floating type")
+    return np.asarray(a, np.float32)
+
+
+def _layer_tensors(cfg: ModelConfig, i: int, moe: bool) -> dict[str, tuple[str, callable]]:
+    """Our per-layer leaf path -> (HF tensor name, converter from the HF [out, in] array)."""
+    h, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    pre = f"model.layers.{i}."
+    t = lambda w: w.T
+    table = {
+        "attn_norm": (pre + "input_layernorm.weight", None),
+        "mlp_norm": (pre + "post_attention_layernorm.weight", None),
+        "attn/q_a": (pre + "self_attn.q_a_proj.weight", t),
+        "attn/q_a_norm": (pre + "self_attn.q_a_layernorm.weight", None),
+        "attn/q_b": (pre + "self_attn.q_b_proj.weight", lambda w: w.T.reshape(-1, h, dn + dr)),
+        "attn/kv_a": (pre + "self_attn.kv_a_proj_with_mqa.weight", t),
+        "attn/kv_a_norm": (pre + "self_attn.kv_a_layernorm.weight", None),
+        "attn/kv_b": (pre + "self_attn.kv_b_proj.weight", lambda w: w.T.reshape(-1, h, dn + dv)),
+        "attn/o": (pre + "self_attn.o_proj.weight", lambda w: w.T.reshape(h, dv, -1)),
+    }
+    if not moe:
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            table[f"mlp/{ours}"] = (pre + f"mlp.{theirs}.weight", t)
+        return table
+    table["moe/router"] = (pre + "mlp.gate.weight", t)
+    table["moe/router_bias"] = (pre + "mlp.gate.e_score_correction_bias", None)
+    for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        table[f"moe/shared/{ours}"] = (pre + f"mlp.shared_experts.{theirs}.weight", t)
+    return table
+
+
+def _expert_name(cfg, i, e, proj):
+    return f"model.layers.{i}.mlp.experts.{e}.{proj}_proj"
+
+
+def iter_hf_layers(reader: SafetensorsReader, cfg: ModelConfig) -> Iterator[tuple[str, int, dict]]:
+    """Yields (stack name, index in stack, {leaf path: float32 array in our layout}) one layer at a time."""
+    specs = param_specs(cfg)
+    for i in range(cfg.num_hidden_layers):
+        moe = i >= cfg.first_k_dense_replace
+        stack = "moe_layers" if moe else "dense_layers"
+        j = i - cfg.first_k_dense_replace if moe else i
+        out = {}
+        for path, (name, convert) in _layer_tensors(cfg, i, moe).items():
+            w = _hf_to_float32(reader.get(name), name)
+            w = convert(w) if convert else w
+            _check_shape(name, w.shape, _spec_at(specs[stack], path).shape[1:])
+            out[path] = w
+        if moe:
+            for proj in ("gate", "up", "down"):
+                name = _expert_name(cfg, i, 0, proj) + ".weight"
+                if not reader.has(name):
+                    raise CheckpointError(
+                        f"{reader.prefix}{name} not found: INT4 (compressed-tensors) experts need "
+                        "`python -m kimi_jax.convert`, float experts need per-expert .weight tensors")
+                ws = [_hf_to_float32(reader.get(_expert_name(cfg, i, e, proj) + ".weight"), name).T
+                      for e in range(cfg.n_routed_experts)]
+                w = np.stack(ws)
+                _check_shape(f"model.layers.{i}.mlp.experts.*.{proj}_proj.weight (stacked, transposed)",
+                             w.shape, _spec_at(specs[stack], f"moe/experts/{proj}").shape[1:])
+                out[f"moe/experts/{proj}"] = w
+        yield stack, j, out
+
+
+def _spec_at(tree, path: str) -> ParamSpec:
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def _check_shape(name, got, want):
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(got)} but the config implies {tuple(want)}; "
+                              "the checkpoint and its config.json disagree")
+
+
+def load_hf(directory: str, cfg: ModelConfig | None = None, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    """Read an HF checkpoint with float weights into our params pytree (numpy arrays -> jax arrays)."""
+    cfg = cfg or ModelConfig.from_hf(directory)
+    reader = SafetensorsReader(directory)
+    specs = param_specs(cfg)
+    params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs,
+                          is_leaf=lambda x: isinstance(x, ParamSpec))
+    for stack, j, tensors in iter_hf_layers(reader, cfg):
+        for path, w in tensors.items():
+            leaf = params[stack]
+            *head, last = path.split("/")
+            for k in head:
+                leaf = leaf[k]
+            leaf[last][j] = w
+    for ours, name, convert in (("embed", "model.embed_tokens.weight", None),
+                                ("final_norm", "model.norm.weight", None),
+                                ("lm_head", "lm_head.weight", lambda w: w.T)):
+        w = _hf_to_float32(reader.get(name), name)
+        w = convert(w) if convert else w
+        _check_shape(name, w.shape, specs[ours].shape)
+        params[ours] = w
+    dtypes = jax.tree.map(lambda s: jnp.dtype(s.dtype or dtype), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    return cfg, jax.tree.map(lambda a, dt: jnp.asarray(a, dt), params, dtypes)
+
+
+# ---- orbax -----------------------------------------------------------------------------------------------
+
+def save(directory: str, cfg: ModelConfig, params) -> None:
+    """Write a kimi_jax checkpoint (config + orbax params). Refuses to overwrite an existing one."""
+    import orbax.checkpoint as ocp
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, PARAMS_DIR)
+    if os.path.exists(target):
+        raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(target, params)
+        ckptr.wait_until_finished()
+    tmp = os.path.join(directory, CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    os.replace(tmp, os.path.join(directory, CONFIG_FILE))
+
+
+def is_kimi_checkpoint(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, CONFIG_FILE))
+
+
+def read_config(directory: str) -> ModelConfig:
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        return ModelConfig.from_dict(json.load(f))
+
+
+def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None):
+    """Restore params; with ``shardings`` (a pytree of jax.sharding.Sharding) each device reads only its shard.
+
+    ``dtype`` casts the floating weights (not the float32 router bias) while reading.
+    """
+    import orbax.checkpoint as ocp
+    directory = os.path.abspath(directory)
+    cfg = cfg or read_config(directory)
+    target_dir = os.path.join(directory, PARAMS_DIR)
+    if not os.path.isdir(target_dir):
+        raise CheckpointError(f"{target_dir} is missing: the checkpoint is incomplete")
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = ckptr.metadata(target_dir).item_metadata.tree
+        specs = param_specs(cfg)
+        _check_tree(stored, abstract_params(cfg, jnp.float32))
+
+        def leaf(spec: ParamSpec, meta):
+            keep = dtype is None or spec.dtype is not None or not jnp.issubdtype(meta.dtype, jnp.floating)
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype)
+
+        target = jax.tree.map(leaf, specs, stored, is_leaf=lambda x: isinstance(x, ParamSpec))
+        if shardings is not None:
+            target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
+        return cfg, ckptr.restore(target_dir, target)
+
+
+def _check_tree(stored, want):
+    flat_s = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+    flat_w = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+    missing = set(map(jax.tree_util.keystr, flat_w)) - set(map(jax.tree_util.keystr, flat_s))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
+    for path, w in flat_w.items():
+        s = flat_s[path]
+        if tuple(s.shape) != tuple(w.shape):
+            raise CheckpointError(f"param {jax.tree_util.keystr(path)} has shape {tuple(s.shape)} in the "
+                                  f"checkpoint but the config implies {tuple(w.shape)}")

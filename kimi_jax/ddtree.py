@@ -1,0 +1,257 @@
+"""DDTree draft trees on the device: build, ancestor mask, acceptance walk.
+
+Everything here is pure JAX with static shapes, batched over a leading dim B, and jittable: no host round
+trips and no Python loops over data (the loops below run over the static depth L or over log2 of the size).
+
+Tree building (research/ddtree.md section 2)
+--------------------------------------------
+The drafter gives L per-position distributions q_1..q_L. The best tree of N nodes under the surrogate
+Q(y) = prod_d q_d(y_d) is the set of the N most probable non-empty prefixes (Prop. 2 of the DDTree paper).
+The paper finds them with a best-first heap over rank tuples (Algorithm 1); we compute the same set, in the
+same order, with static shapes:
+
+  1. lp = log_softmax(logits) in float32; K = min(N, V); per depth keep the top-K tokens (lax.top_k), so a
+     prefix is a rank tuple (r_1..r_d), r_i in [0, K).
+  2. Depth 1 candidates: the K top tokens. Depth d+1 candidates: each of the N prefixes kept at depth d times
+     the K top tokens of depth d+1, score = parent score + lp (a float32 running sum, always in depth order).
+     Keep the best N of those N*K candidates. The N best prefixes of every depth are among the kept ones: a
+     prefix's parent ranks no worse than the prefix itself, and the global top-N is closed under parents.
+  3. Take the global top-N over the L*N kept prefixes. Because a parent never scores below its child (lp <= 0)
+     and sorts first on ties (below), the result is prefix-closed and lists every parent before its children.
+
+Tie-break (matches the heap). Python's heapq pops entries (-score, rank_tuple, ...) in order of score
+descending, then rank tuple ascending in Python's tuple order (a proper prefix sorts before its extensions).
+We use exactly that total order, written `≺`. Ranks among equal log-probs within one depth follow lax.top_k:
+the lower token id gets the lower rank. Floats are never perturbed; the tie-break is positional instead:
+lax.top_k(..., is_stable=True) returns equal values in index order, so it is enough to lay candidates out
+in rank-tuple order before each top_k:
+  - within a depth, the kept prefixes are stored sorted by rank tuple, so candidate (parent slot p, rank r)
+    sits at flat index p*K + r, which is its rank-tuple order among the depth's candidates;
+  - across depths, the kept prefixes form a tree (every kept parent is kept) and Python's tuple order on
+    rank tuples is the pre-order (depth-first, children by rank) of that tree; we compute each node's
+    pre-order number from subtree sizes and lay the L*N nodes out by it for the final top_k.
+Scores are compared as the same float32 values the heap reference computes (parent + lp in float32), so
+ties are exact, not approximate.
+
+Cost: log_softmax + top_k over [L, V]; then per depth one top_k over N*K candidates, i.e. O(L*N*K) work with
+K = min(N, V) (1M candidates per depth at N = 1024); pre-order and the final top_k over L*N are O(L*N).
+
+Padding: when fewer than N prefixes exist (V + V^2 + ... + V^L < N) the tail slots have valid=False,
+token 0, parent 0, depth 0 and score -inf. They appear after every valid node. The engine masks them out of
+attention and the walk never enters them.
+
+Acceptance (research/ddtree.md section 3): `walk` follows, from the root, the child whose token equals the
+target's token at the current node, and stops at the first node with no such child; that node's target
+token is the bonus. Greedy decoding passes the per-node argmax (`accept_greedy`), sampling passes one
+independent target sample per node; the walk is identical, which is what makes sampling lossless. The walk
+is L unrolled steps, each a masked compare over all 1+N nodes (O(L*N)); L is passed as a static argument
+because the tree's shape only bounds the depth by N.
+
+The ancestor mask uses pointer jumping, ceil(log2(1+N)) rounds of whole-row gathers (O(N^2 log N) bits).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Tree(NamedTuple):
+    """A draft tree, batched. Arrays have shape [B, 1+N]; index 0 is the root (the previous bonus token)."""
+
+    tokens: jax.Array  # int32; tokens[:, 0] = root token
+    parents: jax.Array  # int32; parents[:, 0] = -1, parents[:, i] < i
+    depths: jax.Array  # int32; root 0
+    scores: jax.Array  # float32; log q(prefix), root 0.0, padding -inf
+    valid: jax.Array  # bool; False for padding slots
+
+
+def _root_only(root: jax.Array, budget: int) -> Tree:
+    """Root plus `budget` padding slots (used when N == 0 or there is no draft position)."""
+    b = root.shape[0]
+    pad_i = jnp.zeros((b, budget), jnp.int32)
+    return Tree(
+        tokens=jnp.concatenate([root.astype(jnp.int32)[:, None], pad_i], axis=1),
+        parents=jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), pad_i], axis=1),
+        depths=jnp.zeros((b, 1 + budget), jnp.int32),
+        scores=jnp.concatenate(
+            [jnp.zeros((b, 1), jnp.float32), jnp.full((b, budget), -jnp.inf, jnp.float32)], axis=1
+        ),
+        valid=jnp.concatenate([jnp.ones((b, 1), bool), jnp.zeros((b, budget), bool)], axis=1),
+    )
+
+
+def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int) -> Tree:
+    """The `budget` most probable prefixes of the draft, as a Tree. root [B] int, draft_logits [B, L, V]."""
+    log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    return build_tree_from_log_probs(root, log_probs, budget)
+
+
+def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int) -> Tree:
+    """`build_tree` on normalised log-probs [B, L, V] (float32, every entry <= 0 so that a parent never scores
+    below its child). Tests call this directly to feed the heap reference bit-identical log-probs."""
+    n = int(budget)
+    bsz, depth_l, vocab = log_probs.shape
+    if n <= 0 or depth_l == 0:
+        return _root_only(root, max(n, 0))
+    k = min(n, vocab)
+    rows = jnp.arange(bsz)[:, None]
+    # Top-K tokens per depth, ties: lower id first. Rows flattened to 2-D: in this program XLA:CPU lowered
+    # the 3-D top_k to a full sort over V instead of its TopK kernel (20x slower at V = 163840).
+    top_lp, top_id = jax.lax.top_k(log_probs.astype(jnp.float32).reshape(bsz * depth_l, vocab), k)
+    top_lp = top_lp.reshape(bsz, depth_l, k)
+    top_id = top_id.reshape(bsz, depth_l, k)
+    # XLA's top_k ranks -0.0 below +0.0 (total order); a heap treats them as equal. Only a probability-1
+    # token can have log-prob 0, so normalising the sign after selection is enough.
+    top_lp = jnp.where(top_lp == 0.0, 0.0, top_lp)
+
+    # Step 2: per depth, the N best extensions of the previous depth's N kept prefixes. Each level is stored
+    # in rank-tuple order; invalid slots (fewer than N prefixes exist) sit at the end with score -inf.
+    levels = []  # per depth: (score, valid, parent slot in previous level, token), each [B, N]
+    par_score = jnp.zeros((bsz, 1), jnp.float32)
+    par_valid = jnp.ones((bsz, 1), bool)
+    for d in range(depth_l):
+        n_par = par_score.shape[1]
+        cand = (par_score[:, :, None] + top_lp[:, d, None, :]).reshape(bsz, n_par * k)
+        cand_valid = jnp.broadcast_to(par_valid[:, :, None], (bsz, n_par, k)).reshape(bsz, n_par * k)
+        cand = jnp.where(cand_valid, cand, -jnp.inf)
+        if n_par * k < n:  # only at shallow depths with a tiny vocab: pad so top_k can return N
+            pad = n - n_par * k
+            cand = jnp.pad(cand, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+            cand_valid = jnp.pad(cand_valid, ((0, 0), (0, pad)))
+        # Stable top_k: among equal scores the lower flat index, i.e. the smaller rank tuple, wins; and a
+        # valid -inf candidate beats the invalid ones, which all lie further right.
+        _, idx = jax.lax.top_k(cand, n)
+        idx = jnp.sort(idx, axis=-1)  # back to rank-tuple order for the next depth
+        score = jnp.take_along_axis(cand, idx, axis=1)
+        valid = jnp.take_along_axis(cand_valid, idx, axis=1)
+        parent = jnp.minimum(idx // k, n_par - 1)  # padding indices point past the last parent; clamp
+        token = jnp.take_along_axis(top_id[:, d], idx % k, axis=1)
+        levels.append((score, valid, parent, token))
+        par_score, par_valid = score, valid
+
+    # Step 3a: pre-order numbers of the kept forest (root = 0, nodes 1..M), which order nodes exactly as
+    # Python orders their rank tuples. Subtree sizes bottom-up, then each node's number is its parent's + 1 +
+    # the sizes of its earlier siblings' subtrees (siblings are contiguous and rank-ordered in a level).
+    sizes = [None] * depth_l
+    sizes[-1] = levels[-1][1].astype(jnp.int32)
+    for d in range(depth_l - 2, -1, -1):
+        _, _, child_parent, _ = levels[d + 1]
+        below = jnp.zeros((bsz, n), jnp.int32).at[rows, child_parent].add(sizes[d + 1])
+        sizes[d] = jnp.where(levels[d][1], 1 + below, 0)
+    pre = []
+    par_pre = jnp.zeros((bsz, 1), jnp.int32)
+    for d in range(depth_l):
+        _, valid, parent, _ = levels[d]
+        before_here = jnp.cumsum(sizes[d], axis=1) - sizes[d]  # sizes of rank-earlier nodes in this level
+        if d == 0:
+            before_group = 0
+        else:  # part of `before_here` under rank-earlier parents = their descendants at depth >= d
+            desc = sizes[d - 1] - levels[d - 1][1].astype(jnp.int32)
+            before_group = jnp.take_along_axis(jnp.cumsum(desc, axis=1) - desc, parent, axis=1)
+        p = jnp.take_along_axis(par_pre, parent, axis=1) + 1 + before_here - before_group
+        pre.append(jnp.where(valid, p, -1))
+        par_pre = p
+
+    # Step 3b: lay all kept nodes out by pre-order (slot 0 = root, unused slots invalid/-inf after slot M)
+    # and take the global top-N; stable top_k makes equal scores come out in rank-tuple order.
+    size = 1 + depth_l * n
+    flat_score = jnp.full((bsz, size), -jnp.inf, jnp.float32)
+    flat_valid = jnp.zeros((bsz, size), bool)
+    flat_token = jnp.zeros((bsz, size), jnp.int32)
+    flat_depth = jnp.zeros((bsz, size), jnp.int32)
+    flat_parent = jnp.zeros((bsz, size), jnp.int32)  # parent's pre-order number
+    prev_pre = jnp.zeros((bsz, 1), jnp.int32)
+    for d in range(depth_l):
+        score, valid, parent, token = levels[d]
+        at = jnp.where(valid, pre[d], size)  # invalid nodes go out of range and are dropped
+        flat_score = flat_score.at[rows, at].set(score, mode="drop")
+        flat_valid = flat_valid.at[rows, at].set(valid, mode="drop")
+        flat_token = flat_token.at[rows, at].set(token, mode="drop")
+        flat_depth = flat_depth.at[rows, at].set(d + 1, mode="drop")
+        flat_parent = flat_parent.at[rows, at].set(jnp.take_along_axis(prev_pre, parent, axis=1), mode="drop")
+        prev_pre = pre[d]
+    _, sel = jax.lax.top_k(flat_score[:, 1:], n)
+    sel = sel + 1  # pre-order numbers of the chosen nodes, in final order
+
+    # Renumber parents: pre-order number -> final index (root 0 -> 0; padding has parent pre 0 -> 0).
+    final_index = jnp.zeros((bsz, size), jnp.int32).at[rows, sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
+    valid = jnp.take_along_axis(flat_valid, sel, axis=1)
+    tokens = jnp.where(valid, jnp.take_along_axis(flat_token, sel, axis=1), 0)
+    parents = jnp.take_along_axis(final_index, jnp.take_along_axis(flat_parent, sel, axis=1), axis=1)
+    depths = jnp.take_along_axis(flat_depth, sel, axis=1)
+    scores = jnp.take_along_axis(flat_score, sel, axis=1)
+    return Tree(
+        tokens=jnp.concatenate([root.astype(jnp.int32)[:, None], tokens], axis=1),
+        parents=jnp.concatenate([jnp.full((bsz, 1), -1, jnp.int32), jnp.where(valid, parents, 0)], axis=1),
+        depths=jnp.concatenate([jnp.zeros((bsz, 1), jnp.int32), jnp.where(valid, depths, 0)], axis=1),
+        scores=jnp.concatenate([jnp.zeros((bsz, 1), jnp.float32), jnp.where(valid, scores, -jnp.inf)], axis=1),
+        valid=jnp.concatenate([jnp.ones((bsz, 1), bool), valid], axis=1),
+    )
+
+
+def chain_tree(root: jax.Array, draft_tokens: jax.Array) -> Tree:
+    """Single-path tree [root, t_1, ..., t_L] (DFlash chain verification); N = L. Scores are 0 (unknown)."""
+    bsz, depth_l = draft_tokens.shape
+    idx = jnp.arange(1 + depth_l, dtype=jnp.int32)
+    return Tree(
+        tokens=jnp.concatenate([root.astype(jnp.int32)[:, None], draft_tokens.astype(jnp.int32)], axis=1),
+        parents=jnp.broadcast_to(idx - 1, (bsz, 1 + depth_l)),
+        depths=jnp.broadcast_to(idx, (bsz, 1 + depth_l)),
+        scores=jnp.zeros((bsz, 1 + depth_l), jnp.float32),
+        valid=jnp.ones((bsz, 1 + depth_l), bool),
+    )
+
+
+def ancestor_mask(tree: Tree) -> jax.Array:
+    """vis [B, 1+N, 1+N]: vis[b, i, j] <=> j is i or an ancestor of i. Padding slots see only themselves.
+
+    Pointer jumping: after k rounds, vis holds every ancestor within 2^k - 1 steps and `up` is the 2^k-th
+    ancestor (the root and padding point at themselves), so ceil(log2(1+N)) rounds of O(N^2) suffice for any
+    depth, without knowing L.
+    """
+    bsz, size = tree.parents.shape
+    self_idx = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (bsz, size))
+    up = jnp.where(tree.valid & (tree.parents >= 0), tree.parents, self_idx)
+    vis = jnp.broadcast_to(jnp.eye(size, dtype=bool), (bsz, size, size))
+    rows_of = jax.vmap(lambda m, i: m[i])  # whole-row gather: ~100x faster than an elementwise gather on CPU
+    for _ in range(max(size - 1, 1).bit_length()):
+        vis = vis | rows_of(vis, up)  # add the rows of the 2^k-th ancestors
+        up = jnp.take_along_axis(up, up, axis=1)
+    return vis
+
+
+def walk(tree: Tree, target_tokens: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Acceptance walk. target_tokens [B, 1+N]: the target's token at each node (argmax, or one sample each).
+
+    max_depth (static) bounds the tree depth: the draft length L for `build_tree` / `chain_tree` trees. It
+    sets the number of unrolled steps, each a masked compare over all nodes, so pass L rather than N.
+    Returns (path [B, max_depth+1] int32 node indices, root (0) first, entries past path_len = -1;
+    path_len [B] in [1, max_depth+1]; bonus [B] = target token at the last node of the path).
+    """
+    bsz, size = tree.tokens.shape
+    target_tokens = target_tokens.astype(jnp.int32)
+    node_idx = jnp.arange(size, dtype=jnp.int32)
+    cur = jnp.zeros((bsz,), jnp.int32)
+    active = jnp.ones((bsz,), bool)
+    steps = [cur]
+    for _ in range(max_depth):
+        want = jnp.take_along_axis(target_tokens, cur[:, None], axis=1)  # [B, 1]
+        match = (tree.parents == cur[:, None]) & (tree.tokens == want) & tree.valid
+        child = jnp.max(jnp.where(match, node_idx, -1), axis=1)  # siblings are distinct: at most one match
+        active = active & (child >= 0)
+        cur = jnp.where(active, child, cur)
+        steps.append(jnp.where(active, child, -1))
+    path = jnp.stack(steps, axis=1)
+    path_len = jnp.sum(path >= 0, axis=1).astype(jnp.int32)
+    bonus = jnp.take_along_axis(target_tokens, cur[:, None], axis=1)[:, 0]
+    return path, path_len, bonus
+
+
+def accept_greedy(
+    tree: Tree, target_logits: jax.Array, max_depth: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Greedy acceptance: `walk` with the per-node argmax of target_logits [B, 1+N, V]."""
+    return walk(tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32), max_depth)

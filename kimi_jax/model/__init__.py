@@ -1,0 +1,1 @@
+"""The functional K2.6 text decoder."""

@@ -1,0 +1,62 @@
+"""Small building blocks of the K2 decoder: RMSNorm, YaRN RoPE (DeepSeek pair rotation), SwiGLU."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Variance in float32, cast back to the input dtype, then scale (the HF order of operations)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Per-pair inverse frequencies [rope_dim/2] with the YaRN ramp between beta_fast and beta_slow.
+
+    The correction range uses original_max_position_embeddings (as vLLM and DeepSeek's code do); the cos/sin
+    tables are not rescaled (mscale ratio 1 for every K2 release); only the softmax scale carries mscale^2.
+    """
+    d = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    extra = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if cfg.rope_factor <= 1.0:
+        return extra
+    inter = extra / cfg.rope_factor
+
+    def correction_dim(n_rot):
+        return d * math.log(cfg.rope_original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    extrapolate = 1.0 - ramp
+    return inter * (1.0 - extrapolate) + extra * extrapolate
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i] (DeepSeek / GPT-J layout).
+
+    x: [..., T, (heads,) rope_dim] with positions [..., T]. Angles are float32 whatever the input dtype.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq          # [..., T, d/2]
+    if x.ndim == angles.ndim + 1:                                          # a heads axis sits before rope_dim
+        angles = angles[..., None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)); weights are input-major ([in, out])."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down

@@ -1,0 +1,73 @@
+"""Multi-head latent attention (MLA) over a latent cache.
+
+Per token and layer the cache holds ``kv_lora_rank + qk_rope_head_dim`` values: the normalised latent c_kv and
+the rotated key rope part k_pe shared by all heads. Two ways to attend over it, equal up to rounding:
+
+* full form (prefill-friendly, the test oracle): expand per-head k_nope and v from c_kv with kv_b, then
+  ordinary attention with 192-wide keys and 128-wide values;
+* absorbed form (decode / verify): fold W_UK into the query and W_UV into the output, so attention is one
+  MQA over the 576-wide latent rows and no per-head K/V is ever materialised.
+
+Einsum letters: b batch, t query, s key (cache slot), h head, r latent (kv_lora) rank, q q_lora rank,
+n nope dim, p rope dim, v value dim, d model dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.layers import apply_rope, rms_norm
+
+MASK_VALUE = -1e30   # finite, so a row with no visible key cannot produce NaN
+
+
+def queries(x, p, cfg: ModelConfig, positions, inv_freq):
+    """q_nope [b,t,h,n] and rotated q_pe [b,t,h,p]."""
+    cq = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.latent_norm_eps)
+    q = jnp.einsum("btq,qhk->bthk", cq, p["q_b"])
+    q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    return q_nope, apply_rope(q_pe, positions, inv_freq)
+
+
+def latent_rows(x, p, cfg: ModelConfig, positions, inv_freq):
+    """The cache rows of new tokens: [normalised c_kv ‖ rotated k_pe], shape [b, t, r + p]."""
+    a = x @ p["kv_a"]
+    c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.latent_norm_eps)
+    k_pe = apply_rope(a[..., cfg.kv_lora_rank:], positions, inv_freq)
+    return jnp.concatenate([c_kv, k_pe], axis=-1)
+
+
+def _softmax(scores, visible):
+    scores = jnp.where(visible[:, None], scores, MASK_VALUE)      # visible [b,t,s] -> [b,1,t,s]
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
+    """Absorbed MLA: MQA of all heads over latent rows kv [b,s,r+p]; returns per-head outputs [b,t,h,v]."""
+    r = cfg.kv_lora_rank
+    w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
+    c_kv, k_pe = kv[..., :r], kv[..., r:]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)               # W_UK folded into the query
+    scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe, preferred_element_type=jnp.float32))
+    probs = _softmax(scores * cfg.softmax_scale, visible)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs.astype(kv.dtype), c_kv)
+    return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
+
+
+def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
+    """Full-form MLA: expand per-head keys and values from the latent rows (the oracle for the absorbed form)."""
+    r = cfg.kv_lora_rank
+    kv_heads = jnp.einsum("bsr,rhk->bshk", kv[..., :r], p["kv_b"])
+    k_nope, v = kv_heads[..., :cfg.qk_nope_head_dim], kv_heads[..., cfg.qk_nope_head_dim:]
+    k_pe = kv[..., r:]
+    scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe, preferred_element_type=jnp.float32))
+    probs = _softmax(scores * cfg.softmax_scale, visible)
+    return jnp.einsum("bhts,bshv->bthv", probs.astype(v.dtype), v)
+
+
+def output(o_heads, p):
+    return jnp.einsum("bthv,hvd->btd", o_heads, p["o"])

@@ -1,0 +1,623 @@
+"""Analytical roofline: bytes, FLOPs and step time of one decode / DDTree round, per device.
+
+Pure Python (no jax). Numbers cite /work/shared/research/perf_anchors.md ("PA §n").
+
+Model of one round (a verify forward over ``T = width x batch`` tokens, plus an optional DFlash drafter pass)::
+
+    t_component = max(bytes / (eta_bw * BW),  flops / (eta_flop * FLOPS))      per component, per device
+    t_step      = sum(t_component) + n_AR * (t_AR + 2 (d-1)/d * msg / link_BW) + overhead
+    tokens/s    = tau / t_step                                                   (per sequence)
+
+Per-device bytes (bf16 = 2 B, INT4 experts = 0.5 + 2/32 B/param: packed nibbles plus one bf16 scale per 32)::
+
+    attention  = L * (A * r + B / d) * wb        A = q_a + kv_a (+ norms), B = q_b + kv_b + o; r = 1 (replicated,
+                                                 the default TP layout, PA §6c/§7) or 1/d (fully sharded)
+    kv_cache   = seqs * ctx * L * (kv_lora + rope) * kvb        latent KV, replicated under TP (PA §6b)
+    dense      = L_dense * 3 h I_dense * wb / d
+    shared     = L_moe * n_shared * 3 h I_moe * wb / d
+    router     = L_moe * (E h + E) * wb * r
+    routed     = L_moe * U(T) * 3 h I_moe * eb / d,    U(T) = E (1 - (1 - k/E)^T)   (uniform routing, PA §6d)
+    lm_head    = (V h + h) * wb / d
+    embedding  = T * h * wb                                      (rows gathered; negligible)
+
+``U(T)`` assumes every token routes independently and uniformly. Draft-tree tokens of one sequence share a
+prefix and route alike, so for verify widths ``U(T)`` is an UPPER BOUND on the unique experts (PA §6d, §7).
+
+FLOPs per device: ``2 * params_local * tokens`` for every matmul (routed: ``2 * T * k * 3 h I / d``, not the
+unique experts) plus absorbed-MLA attention ``2 * T * heads_local * ctx * (2 kv_lora + rope)`` per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from kimi_jax.config import KIMI_K26, ModelConfig
+
+GB = 1e9
+MS = 1e-3
+US = 1e-6
+INT4_BYTES_PER_PARAM = 0.5 + 2 / 32      # packed INT4 + bf16 scale per group of 32 (PA §6a quant, §7)
+STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn")
+
+
+# ---- hardware -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator (per chip). Bandwidths in bytes/s, FLOP/s, seconds, bytes.
+
+    ``efficiency`` is the default fraction of ``mem_bw`` that weight streaming reaches; ``flop_efficiency``
+    the fraction of ``bf16_flops`` that compute-bound kernels reach. For the calibrated ``cpu`` profile
+    ``mem_bw`` and ``bf16_flops`` hold measured numbers (copy bandwidth, float32 matmul) and both
+    efficiencies are 1.
+    """
+    name: str
+    mem_bw: float                  # spec bandwidth
+    measured_bw: float | None      # measured STREAM-copy bandwidth, None where not published
+    bf16_flops: float              # dense (no 2:4 sparsity)
+    link_bw: float                 # interconnect, per direction per device
+    allreduce_s: float             # small-message all-reduce latency across the node
+    mem_capacity: float
+    efficiency: float = 0.85       # PA §2 "practical planning: weight streaming 85-90% of spec on HBM (use 85%)"
+    flop_efficiency: float = 0.67  # PA §2 FlashMLA compute-bound 660 of 989 TF on H800
+
+    def bw(self, efficiency: float | None = None) -> float:
+        return (self.efficiency if efficiency is None else efficiency) * self.mem_bw
+
+
+PROFILES: dict[str, Hardware] = {
+    "rtx_pro_6000": Hardware(
+        name="rtx_pro_6000",
+        mem_bw=1.792e12,             # PA §1: 512-bit GDDR7 @ 28 Gbps = 1.792 TB/s
+        measured_bw=None,            # PA §1: no STREAM number found
+        bf16_flops=504e12,           # PA §1: ~504 TF dense BF16 (aggregator); torch GEMM measured 368-417 TF [e]
+        link_bw=64e9,                # PA §1: PCIe Gen5 x16 only, no NVLink (~64 GB/s per direction)
+        allreduce_s=30 * US,         # PA §5: none published for PCIe; budget 20-40 us (midpoint)
+        mem_capacity=96e9,           # PA §1: 96 GB GDDR7
+        efficiency=0.70,             # DESIGN §1: INT4 Marlin MoE measured at 67-73% of peak
+    ),
+    "h100": Hardware(
+        name="h100",
+        mem_bw=3.35e12,              # PA §1
+        measured_bw=2.90e12,         # PA §1 [a]: STREAM copy 2.90 TB/s (87%)
+        bf16_flops=989e12,           # PA §1
+        link_bw=450e9,               # PA §1: NVLink4 900 GB/s bidirectional
+        allreduce_s=9 * US,          # PA §5: symm-mem/one-shot AR in CUDA graph ~9 us (NCCL ~22 us)
+        mem_capacity=80e9,           # PA §1
+    ),
+    "h200": Hardware(
+        name="h200",
+        mem_bw=4.8e12,               # PA §1
+        measured_bw=4.01e12,         # PA §1 [b]: STREAM copy 4.01 TB/s (84%)
+        bf16_flops=989e12,           # PA §1
+        link_bw=450e9,               # PA §1: NVLink4 900 GB/s bidirectional
+        allreduce_s=9 * US,          # PA §5 / §6e: 123 AR x 9 us = 1.1 ms
+        mem_capacity=141e9,          # PA §1
+    ),
+    "b200": Hardware(
+        name="b200",
+        mem_bw=7.67e12,              # PA §1 [c]: driver-reported bus 7680 bit x 3996 MHz (not the 8 TB/s mkt figure)
+        measured_bw=None,
+        bf16_flops=2.25e15,          # PA §1
+        link_bw=900e9,               # PA §1: NVLink5 1.8 TB/s bidirectional
+        allreduce_s=9 * US,          # PA §5: assumed as H100/H200 (no B200 number)
+        mem_capacity=180e9,          # PA §1: 180 GB usable
+    ),
+    "b300": Hardware(
+        name="b300",
+        mem_bw=8.0e12,               # PA §1, §7: 8 TB/s, no correction found
+        measured_bw=None,
+        bf16_flops=2.25e15,          # PA §1 (Tom's HW 5 PF is a sparse figure)
+        link_bw=900e9,               # PA §1: NVLink5 1.8 TB/s bidirectional
+        allreduce_s=9 * US,          # PA §5: assumed as H100/H200
+        mem_capacity=288e9,          # PA §1
+    ),
+}
+ALIASES = {"rtx": "rtx_pro_6000", "rtx6000": "rtx_pro_6000", "rtx_pro": "rtx_pro_6000"}
+
+
+def calibrate_cpu(copy_mb: int = 256, matmul_n: int = 1024, repeats: int = 5) -> Hardware:
+    """Measure this machine: numpy copy bandwidth (read + write bytes, as STREAM counts them) and float32
+    matmul FLOP/s (``2 n^3`` per product), best of ``repeats``. Returns the ``cpu`` profile (one device)."""
+    import numpy as np
+
+    n = copy_mb * 2**20 // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)                                      # touch the pages first
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    bw = 2 * src.nbytes / best
+
+    a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n), dtype=np.float32)
+    a @ a
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * matmul_n**3 / best
+    try:
+        import os
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        capacity = 0.0
+    return Hardware(name="cpu", mem_bw=bw, measured_bw=bw, bf16_flops=flops, link_bw=bw,
+                    allreduce_s=0.0, mem_capacity=float(capacity), efficiency=1.0, flop_efficiency=1.0)
+
+
+def get_profile(name: str) -> Hardware:
+    name = ALIASES.get(name.lower(), name.lower())
+    if name == "cpu":
+        return calibrate_cpu()
+    if name not in PROFILES:
+        raise ValueError(f"unknown hardware {name!r}; choose from {sorted(PROFILES) + ['cpu']}")
+    return PROFILES[name]
+
+
+# ---- drafter ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    """Size of a DFlash drafter (Qwen3-style GQA layers + fc over tapped target features).
+
+    params = layers * (h*H*hd + 2*h*Hkv*hd + H*hd*h + 3*h*I + 2h + 2hd) + n_taps*h_target*h + 2h
+    It shares the target's embedding and lm_head; with ``shares_lm_head`` the round reads the lm_head a
+    second time for the drafter's ``block_size - 1`` logits.
+    """
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    n_taps: int
+    target_hidden: int
+    block_size: int
+    shares_lm_head: bool = True
+
+    @property
+    def params(self) -> int:
+        h, hd = self.hidden, self.head_dim
+        layer = (h * self.heads * hd + 2 * h * self.kv_heads * hd + self.heads * hd * h
+                 + 3 * h * self.intermediate + 2 * h + 2 * hd)
+        return self.layers * layer + self.n_taps * self.target_hidden * h + 2 * h
+
+    @classmethod
+    def from_config(cls, cfg: Any, target_hidden: int | None = None) -> "DrafterSpec":
+        """From any object with HF-style drafter fields (hidden_size, num_hidden_layers, ...)."""
+        g = lambda *names, default=None: next((getattr(cfg, n) for n in names if hasattr(cfg, n)), default)
+        h = g("hidden_size")
+        heads = g("num_attention_heads")
+        taps = g("target_layer_ids", default=None)
+        return cls(layers=g("num_hidden_layers", "num_layers"), hidden=h, heads=heads,
+                   kv_heads=g("num_key_value_heads", default=heads), head_dim=g("head_dim", default=h // heads),
+                   intermediate=g("intermediate_size"),
+                   n_taps=len(taps) if taps is not None else g("n_taps", default=1),
+                   target_hidden=target_hidden or g("target_hidden_size", default=h),
+                   block_size=g("block_size", default=8))
+
+
+# z-lab/Kimi-K2.5-DFlash (research/ddtree.md §6): 6 layers, hidden 7168, 64 heads, 8 KV heads, head_dim 128,
+# 6 taps, block 8. intermediate 18432 is inferred: it is the value that gives the card's ~6.5 GiB (6.48 GiB).
+KIMI_DFLASH = DrafterSpec(layers=6, hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432,
+                          n_taps=6, target_hidden=7168, block_size=8)
+
+
+# ---- counting -----------------------------------------------------------------------------------------------
+
+def unique_experts(n_experts: int, k: int, tokens: float) -> float:
+    """Expected distinct experts touched by ``tokens`` tokens routed uniformly: ``E (1 - (1 - k/E)^T)``.
+    An upper bound for draft-tree tokens of one sequence, which route alike (PA §6d)."""
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens) if tokens > 0 else 0.0
+
+
+def expected_max_group_experts(n_experts: int, k: int, tokens: float, groups: int) -> float:
+    """E[max over ``groups`` expert-parallel groups of the distinct experts touched in that group].
+
+    Each group holds ``n = E/groups`` experts; each expert is touched with ``p = 1 - (1 - k/E)^T``; the
+    per-group counts are treated as independent Binomial(n, p):  E[max] = sum_j (1 - F(j-1)^groups).
+    (Monte Carlo for E=384, k=8, T=1, 8 groups gives 2.57 (PA §6c); this gives 2.56.)"""
+    if groups <= 1:
+        return unique_experts(n_experts, k, tokens)
+    n = n_experts // groups
+    p = 1.0 - (1.0 - k / n_experts) ** tokens
+    pmf = [math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(n + 1)]
+    cdf, total = 0.0, 0.0
+    for j in range(1, n + 1):
+        cdf += pmf[j - 1]
+        total += 1.0 - min(cdf, 1.0) ** groups
+    return total
+
+
+def attention_layer_params(c: ModelConfig) -> tuple[int, int]:
+    """(A, B) parameters of one MLA layer: A = q_a + kv_a + the layer's norms (replicated under the default
+    TP layout), B = q_b + kv_b + o (split by heads). Kimi: A = 15.15M, B = 85.98M (PA §6b: 101.1M total)."""
+    h, H = c.hidden_size, c.num_attention_heads
+    a = h * c.q_lora_rank + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+    norms = 2 * h + c.q_lora_rank + c.kv_lora_rank
+    b = (c.q_lora_rank * H * c.qk_head_dim + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+         + H * c.v_head_dim * h)
+    return a + norms, b
+
+
+def expert_params(c: ModelConfig) -> int:
+    """One SwiGLU expert: gate, up, down = 3 h I (Kimi: 44.04M, PA §6b)."""
+    return 3 * c.hidden_size * c.moe_intermediate_size
+
+
+def moe_layer_bytes(c: ModelConfig, expert_bytes_per_param: float = INT4_BYTES_PER_PARAM) -> float:
+    """All routed experts of one MoE layer (Kimi INT4: 384 x 44.04M x 0.5625 B = 9.51 GB, DESIGN §1)."""
+    return c.n_routed_experts * expert_params(c) * expert_bytes_per_param
+
+
+def kv_bytes_per_token(c: ModelConfig, kv_dtype_bytes: float = 2) -> float:
+    """Latent KV over all layers: L (kv_lora + rope) bytes (Kimi bf16: 70,272 B = 70.3 KB, PA §6b)."""
+    return c.num_hidden_layers * c.latent_dim * kv_dtype_bytes
+
+
+def checkpoint_bytes(c: ModelConfig, weight_dtype_bytes: float = 2,
+                     expert_bytes_per_param: float = INT4_BYTES_PER_PARAM) -> float:
+    """Stored weights: everything at ``weight_dtype_bytes`` except routed experts (Kimi: ~594 GB, PA §6b)."""
+    from kimi_jax.config import param_count
+    routed = c.num_moe_layers * c.n_routed_experts * expert_params(c)
+    return (param_count(c) - routed) * weight_dtype_bytes + routed * expert_bytes_per_param
+
+
+# ---- one round ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: float      # per device
+    flops: float      # per device
+
+
+def round_components(config: ModelConfig, tokens_per_step: float, context: int = 0, *, batch: int = 1,
+                     strategy: str = "tp", devices: int = 1, tp: int | None = None,
+                     weight_dtype_bytes: float = 2, expert_bytes_per_param: float = INT4_BYTES_PER_PARAM,
+                     kv_dtype_bytes: float | None = None, replicate_small: bool = True,
+                     drafter: DrafterSpec | None = None,
+                     independent_tokens: float | None = None) -> list[Component]:
+    """Per-device bytes and FLOPs of one round, by component (formulas in the module docstring).
+
+    tokens_per_step: tokens in the verify forward, all sequences together (verify width x batch).
+    batch: sequences (each reads its own ``context`` of latent KV).
+    strategy: ``tp`` (heads and expert intermediate split over ``devices``), ``ep`` (attention TP, experts
+      placed E/d per device; the busiest device sets the time), ``tp_ep`` (experts TP over ``tp`` x EP over
+      ``devices/tp``; default tp = devices/2), ``dp_attn`` (attention weights replicated, sequences split over
+      devices; experts TP).
+    replicate_small: the default TP layout (q_a/kv_a and router replicated on every rank, PA §6c/§7); False
+      shards them too (the "fully sharded ideal").
+    independent_tokens: tokens that route independently, for the unique-expert count (default: all
+      ``tokens_per_step``, the uniform upper bound; ``batch`` is the lower bound where every tree token of a
+      sequence picks its root's experts).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    c, d, T = config, devices, float(tokens_per_step)
+    wb, eb = weight_dtype_bytes, expert_bytes_per_param
+    kvb = wb if kv_dtype_bytes is None else kv_dtype_bytes
+    h, L, E, k = c.hidden_size, c.num_hidden_layers, c.n_routed_experts, c.num_experts_per_tok
+    Lm, Ld = c.num_moe_layers, c.first_k_dense_replace
+    r = 1.0 if replicate_small else 1.0 / d
+
+    # attention: weights, latent KV, absorbed-MLA FLOPs (scores over kv_lora+rope, values over kv_lora)
+    A, B = attention_layer_params(c)
+    if strategy == "dp_attn":
+        seqs = math.ceil(batch / d)
+        a_frac, b_frac, heads, t_attn = 1.0, 1.0, c.num_attention_heads, T * seqs / batch
+    else:
+        seqs, a_frac, b_frac, heads, t_attn = batch, r, 1.0 / d, c.num_attention_heads / d, T
+    attn_flops = L * (2 * (A * a_frac + B * b_frac) * t_attn
+                      + 2 * t_attn * heads * context * (2 * c.kv_lora_rank + c.qk_rope_head_dim))
+    comps = [Component("attention", L * (A * a_frac + B * b_frac) * wb, attn_flops),
+             Component("kv_cache", seqs * context * kv_bytes_per_token(c, kvb), 0.0)]
+
+    dense = 3 * h * c.intermediate_size
+    comps.append(Component("dense_mlp", Ld * dense * wb / d, 2 * Ld * dense * T / d))
+    shared = c.n_shared_experts * expert_params(c)
+    comps.append(Component("shared_experts", Lm * shared * wb / d, 2 * Lm * shared * T / d))
+    router = E * h + E
+    comps.append(Component("router", Lm * router * wb * r, 2 * Lm * E * h * T * r))
+
+    # routed experts: distinct experts read on the busiest device; FLOPs by T*k (tokens x chosen experts)
+    P = expert_params(c)
+    Tr = T if independent_tokens is None else float(independent_tokens)
+    if strategy == "ep":
+        n_local, split = expected_max_group_experts(E, k, Tr, d), 1
+        imbalance = n_local / max(unique_experts(E, k, Tr) / d, 1e-30)
+    elif strategy == "tp_ep":
+        t = tp or max(d // 2, 1)
+        if d % t:
+            raise ValueError(f"tp={t} does not divide devices={d}")
+        n_local, split = expected_max_group_experts(E, k, Tr, d // t), t
+        imbalance = n_local / max(unique_experts(E, k, Tr) / (d // t), 1e-30)
+    else:
+        n_local, split, imbalance = unique_experts(E, k, Tr), d, 1.0
+    comps.append(Component("routed_experts", Lm * n_local * P * eb / split,
+                           2 * Lm * T * k * P / d * imbalance))
+
+    lm_head = c.vocab_size * h + h                           # + final norm
+    comps.append(Component("lm_head", lm_head * wb / d, 2 * c.vocab_size * h * T / d))
+    comps.append(Component("embedding", T * h * wb, 0.0))
+
+    if drafter is not None:
+        dd = 1 if strategy == "dp_attn" else d
+        blk = drafter.block_size * (seqs if strategy == "dp_attn" else batch)
+        dbytes = drafter.params * wb / dd
+        dflops = 2 * drafter.params * blk / dd
+        # drafter feature cache: per context token and layer, K and V of kv_heads x head_dim
+        dkv = seqs * context * drafter.layers * 2 * drafter.kv_heads * drafter.head_dim * kvb / dd
+        if drafter.shares_lm_head:
+            dbytes += c.vocab_size * h * wb / dd
+            dflops += 2 * c.vocab_size * h * (drafter.block_size - 1) * batch / dd
+        comps.append(Component("drafter", dbytes + dkv, dflops))
+    return comps
+
+
+def n_allreduce(config: ModelConfig, devices: int, drafter: DrafterSpec | None = None) -> int:
+    """Small-message all-reduces per round: 2 per layer (after attention, after MLP/MoE) + 1 for the logits
+    (Kimi TP8: 2 x 61 + 1 = 123, PA §5); the drafter adds 2 per layer + 1. Zero on one device. The same count is
+    used for every strategy (EP psum / DP-attention gather+scatter also sync twice per layer)."""
+    if devices <= 1:
+        return 0
+    n = 2 * config.num_hidden_layers + 1
+    return n + (2 * drafter.layers + 1 if drafter is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundEstimate:
+    """A predicted round; ``components`` rows are (name, bytes, flops, t_bytes, t_flops, t = max of both)."""
+    profile: str
+    components: tuple[tuple[str, float, float, float, float, float], ...]
+    n_collectives: int
+    t_collectives: float
+    overhead_s: float
+    total_s: float
+    batch: int
+
+    @property
+    def bytes(self) -> float:
+        return sum(row[1] for row in self.components)
+
+    @property
+    def flops(self) -> float:
+        return sum(row[2] for row in self.components)
+
+    @property
+    def t_compute(self) -> float:
+        """Sum of the per-component max(byte time, FLOP time)."""
+        return sum(row[5] for row in self.components)
+
+    def component(self, name: str) -> tuple[str, float, float, float, float, float]:
+        return next(row for row in self.components if row[0] == name)
+
+    def tokens_per_s(self, tau: float) -> float:
+        """Per-sequence decode speed: tau accepted tokens per round (the acceptance length, bonus included)."""
+        return tau / self.total_s
+
+    def fixed_share(self) -> float:
+        """Share of the round spent neither streaming bytes nor computing: (collectives + overhead) / t."""
+        return (self.overhead_s + self.t_collectives) / self.total_s
+
+    def flop_bound(self) -> list[str]:
+        """Components whose FLOP time exceeds their byte time."""
+        return [r[0] for r in self.components if r[4] > r[3]]
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("bytes", "flops", "t_bytes_s", "t_flops_s", "t_s")
+        return dict(profile=self.profile, components={r[0]: dict(zip(keys, r[1:])) for r in self.components},
+                    bytes=self.bytes, n_collectives=self.n_collectives, t_collectives_s=self.t_collectives,
+                    overhead_s=self.overhead_s, total_s=self.total_s)
+
+
+def predict_round_time(config: ModelConfig, profile: Hardware, tokens_per_step: float, context: int = 0, *,
+                       batch: int = 1, strategy: str = "tp", devices: int = 1, tp: int | None = None,
+                       weight_dtype_bytes: float = 2, expert_bytes_per_param: float = INT4_BYTES_PER_PARAM,
+                       kv_dtype_bytes: float | None = None, act_dtype_bytes: float | None = None,
+                       replicate_small: bool = True, drafter: DrafterSpec | None = None,
+                       efficiency: float | None = None, flop_efficiency: float | None = None,
+                       overhead_s: float = 0.0, include_flops: bool = True,
+                       independent_tokens: float | None = None) -> RoundEstimate:
+    """Round time on ``devices`` chips of ``profile`` (arguments as in :func:`round_components`).
+
+        t = sum_c max(bytes_c / (eta * BW), flops_c / (eta_f * FLOPS))
+            + n_AR * (t_AR + 2 (d-1)/d * T h act_bytes / link_BW) + overhead_s
+
+    Works for any config, e.g. the tiny float32 model on the calibrated ``cpu`` profile:
+    ``predict_round_time(TINY, calibrate_cpu(), 8, 100, weight_dtype_bytes=4, expert_bytes_per_param=4)``.
+    """
+    comps = round_components(config, tokens_per_step, context, batch=batch, strategy=strategy, devices=devices,
+                             tp=tp, weight_dtype_bytes=weight_dtype_bytes,
+                             expert_bytes_per_param=expert_bytes_per_param, kv_dtype_bytes=kv_dtype_bytes,
+                             replicate_small=replicate_small, drafter=drafter,
+                             independent_tokens=independent_tokens)
+    bw = profile.bw(efficiency)
+    fl = profile.bf16_flops * (profile.flop_efficiency if flop_efficiency is None else flop_efficiency)
+    rows = []
+    for comp in comps:
+        tb = comp.bytes / bw
+        tf = comp.flops / fl if include_flops else 0.0
+        rows.append((comp.name, comp.bytes, comp.flops, tb, tf, max(tb, tf)))
+    n_ar = n_allreduce(config, devices, drafter)
+    t_ar = 0.0
+    if n_ar:
+        ab = weight_dtype_bytes if act_dtype_bytes is None else act_dtype_bytes
+        ring = 2 * (devices - 1) / devices / profile.link_bw
+        n_target = 2 * config.num_hidden_layers + 1
+        t_ar = n_target * (profile.allreduce_s + ring * tokens_per_step * config.hidden_size * ab)
+        if drafter is not None:
+            t_ar += (n_ar - n_target) * (profile.allreduce_s
+                                        + ring * drafter.block_size * batch * drafter.hidden * ab)
+    total = sum(r[5] for r in rows) + t_ar + overhead_s
+    return RoundEstimate(profile.name, tuple(rows), n_ar, t_ar, overhead_s, total, batch)
+
+
+# ---- "this design": one dispatch per generate call ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DesignOverhead:
+    """Fixed cost per round when the whole round is one compiled program inside a device-side while_loop:
+    no host dispatch, no CPU tree build; what is left is each kernel's launch-free tail (ramp-up, drain, the
+    dependency gap between back-to-back kernels) times the number of kernels, plus collectives (counted by
+    :func:`predict_round_time`).
+
+        overhead = (L * kernels_per_layer + L_draft * kernels_per_drafter_layer + round_kernels) * kernel_tail_s
+
+    Defaults are assumptions to be replaced by the fusion count of the compiled HLO and a measured tail: PA §5
+    counts 15-25 kernels/layer at 2.5-4 us (launch gap + tail, under CUDA graphs) in today's engines; a
+    fused XLA layer is assumed at 12 kernels and the launch-free tail at 2 us.
+    """
+    kernels_per_layer: int = 12
+    kernels_per_drafter_layer: int = 10
+    round_kernels: int = 40          # draft embed/fc, per-depth top-k of the tree build, accept walk, commit
+    kernel_tail_s: float = 2 * US
+
+    def seconds(self, config: ModelConfig, drafter: DrafterSpec | None = None) -> float:
+        n = config.num_hidden_layers * self.kernels_per_layer
+        if drafter is not None:
+            n += drafter.layers * self.kernels_per_drafter_layer + self.round_kernels
+        return n * self.kernel_tail_s
+
+
+DESIGN_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DESIGN_TAUS = tuple(range(1, 9))
+DESIGN_HARDWARE = ("h200", "b300", "rtx_pro_6000")
+
+
+def design_projection(hardware=DESIGN_HARDWARE, widths=DESIGN_WIDTHS, *, config: ModelConfig = KIMI_K26,
+                      context: int = 4096, devices: int = 8, strategy: str = "tp", batch: int = 1,
+                      drafter: DrafterSpec | None = KIMI_DFLASH, correlated_routing: bool = False,
+                      overhead: DesignOverhead = DesignOverhead()) -> dict[str, list[RoundEstimate]]:
+    """Round estimates of this design for each hardware and verify width (width 1 = plain AR, no drafter).
+    ``correlated_routing`` takes the lower bound on unique experts (a tree's tokens share its root's experts)
+    instead of the uniform upper bound."""
+    out = {}
+    for hw in hardware:
+        prof = hw if isinstance(hw, Hardware) else get_profile(hw)
+        rows = []
+        for w in widths:
+            dr = drafter if w > 1 else None
+            rows.append(predict_round_time(config, prof, w * batch, context, batch=batch, strategy=strategy,
+                                           devices=devices, drafter=dr, overhead_s=overhead.seconds(config, dr),
+                                           independent_tokens=batch if correlated_routing else None))
+        out[prof.name] = rows
+    return out
+
+
+def format_design_table(proj: dict[str, list[RoundEstimate]], widths=DESIGN_WIDTHS, taus=DESIGN_TAUS) -> str:
+    """Per hardware: rows = verify width; columns = GB/device, ms of bytes/FLOP work, collectives, kernel
+    tails, round time, FLOP-bound components (first one + how many more), tok/s at each tau (blank where
+    tau > width: a round accepts at most ``width`` tokens)."""
+    short = {"attention": "attn", "routed_experts": "moe", "shared_experts": "shared", "lm_head": "lm",
+             "dense_mlp": "dense", "drafter": "draft", "router": "router"}
+    lines = []
+    for name, rows in proj.items():
+        lines.append(f"\n[{name}]")
+        head = (f"{'width':>5} {'GB/dev':>7} {'work ms':>8} {'AR ms':>6} {'tail ms':>7} {'round ms':>8} "
+                f"{'FLOP-bound':<11}|")
+        lines.append(head + "".join(f" {'tau=' + str(t):>7}" for t in taus))
+        for w, est in zip(widths, rows):
+            fb = [short.get(n, n) for n in est.flop_bound()]
+            bound = "-" if not fb else fb[0] + (f"+{len(fb) - 1}" if len(fb) > 1 else "")
+            cells = "".join(f" {est.tokens_per_s(t):7.0f}" if t <= w else f" {'':>7}" for t in taus)
+            lines.append(f"{w:>5} {est.bytes / GB:7.2f} {est.t_compute / MS:8.2f} {est.t_collectives / MS:6.2f}"
+                         f" {est.overhead_s / MS:7.2f} {est.total_s / MS:8.2f} {bound:<11}|{cells}")
+    return "\n".join(lines)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+def format_round_table(ests: list[RoundEstimate], tau: float) -> str:
+    names = [e.profile for e in ests]
+    comp_names = [r[0] for r in ests[0].components]
+    lines = [f"{'component':<16} {'GB/dev':>8} |" + "".join(f" {n + ' ms':>16}" for n in names)]
+    for i, cn in enumerate(comp_names):
+        row = ests[0].components[i]
+        cells = ""
+        for e in ests:
+            r = e.components[i]
+            cells += f" {r[5] / MS:13.3f} {'F' if r[4] > r[3] else ' '}  "
+        lines.append(f"{cn:<16} {row[1] / GB:8.3f} |{cells}")
+    lines.append(f"{'sum':<16} {ests[0].bytes / GB:8.3f} |" + "".join(f" {e.t_compute / MS:13.3f}   " for e in ests))
+    lines.append(f"{'collectives':<16} {ests[0].n_collectives:>6} x |"
+                 + "".join(f" {e.t_collectives / MS:13.3f}   " for e in ests))
+    lines.append(f"{'overhead':<16} {'':>8} |" + "".join(f" {e.overhead_s / MS:13.3f}   " for e in ests))
+    lines.append(f"{'round':<16} {'':>8} |" + "".join(f" {e.total_s / MS:13.3f}   " for e in ests))
+    lines.append(f"{'tok/s (tau=' + format(tau, 'g') + ')':<16} {'':>8} |"
+                 + "".join(f" {e.tokens_per_s(tau):13.1f}   " for e in ests))
+    lines.append("(F = FLOP-bound component; other rows stream bytes at the profile's efficiency)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kimi_jax.roofline", description=__doc__.splitlines()[0])
+    p.add_argument("--hardware", default=",".join(DESIGN_HARDWARE),
+                   help=f"comma list of {sorted(PROFILES)} or cpu (calibrated now)")
+    p.add_argument("--tau", type=float, default=4.0, help="acceptance length (tokens per round)")
+    p.add_argument("--width", type=int, default=16, help="verify width per sequence (1 = autoregressive)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--strategy", default="tp", choices=STRATEGIES)
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--tp", type=int, default=None, help="TP size inside tp_ep (default devices/2)")
+    p.add_argument("--efficiency", type=float, default=None, help="bandwidth efficiency (default per profile)")
+    p.add_argument("--overhead-ms", type=float, default=None,
+                   help="fixed overhead per round (default: this design's kernel tails)")
+    p.add_argument("--no-drafter", action="store_true", help="leave out the DFlash drafter")
+    p.add_argument("--correlated-routing", action="store_true",
+                   help="lower bound on routed bytes: all verify tokens of a sequence use its root's experts")
+    p.add_argument("--no-design-table", action="store_true", help="skip the width x tau projection")
+    p.add_argument("--json", default=None, help="write the estimates to this file")
+    a = p.parse_args(argv)
+    try:
+        profiles = [get_profile(n.strip()) for n in a.hardware.split(",") if n.strip()]
+        if a.width < 1 or a.batch < 1 or a.devices < 1 or a.context < 0:
+            raise ValueError("width, batch and devices must be >= 1 and context >= 0")
+        c = KIMI_K26
+        drafter = None if a.no_drafter or a.width == 1 else KIMI_DFLASH
+        ovh = (DesignOverhead().seconds(c, drafter) if a.overhead_ms is None else a.overhead_ms * MS)
+        ests = [predict_round_time(c, prof, a.width * a.batch, a.context, batch=a.batch, strategy=a.strategy,
+                                   devices=a.devices, tp=a.tp, drafter=drafter, efficiency=a.efficiency,
+                                   overhead_s=ovh, independent_tokens=a.batch if a.correlated_routing else None)
+                for prof in profiles]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{c.name}: strategy {a.strategy} x{a.devices}, batch {a.batch}, verify width {a.width}, "
+          f"context {a.context}, INT4 experts ({INT4_BYTES_PER_PARAM} B/param), routing "
+          f"{'correlated (lower bound)' if a.correlated_routing else 'uniform (upper bound)'}, "
+          f"drafter {'DFlash 6L' if drafter else 'none'}, overhead "
+          f"{'design kernel tails' if a.overhead_ms is None else str(a.overhead_ms) + ' ms'}")
+    print("efficiency: " + ", ".join(f"{pr.name} {a.efficiency or pr.efficiency:.0%} of "
+                                     f"{pr.mem_bw / 1e12:.3g} TB/s" for pr in profiles))
+    print(format_round_table(ests, a.tau))
+    out: dict[str, Any] = dict(args=vars(a), rounds=[e.to_dict() | {"tokens_per_s": e.tokens_per_s(a.tau)}
+                                                     for e in ests])
+    if not a.no_design_table:
+        proj = design_projection(profiles, context=a.context, devices=a.devices, strategy=a.strategy,
+                                 batch=a.batch, drafter=None if a.no_drafter else KIMI_DFLASH,
+                                 correlated_routing=a.correlated_routing)
+        print(f"\nThis design (one dispatch per generate; overhead = kernel tails + collectives), batch {a.batch}, "
+              f"context {a.context}, {a.strategy} x{a.devices}; tok/s per sequence:")
+        print(format_design_table(proj))
+        out["design"] = {n: [dict(width=w, **e.to_dict()) for w, e in zip(DESIGN_WIDTHS, rows)]
+                         for n, rows in proj.items()}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Tests run on the CPU; 8 fake devices so sharding tests can build meshes in the same process."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+HF_FIXTURES = ("hf_k25", "hf_k2", "hf_grouped")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir():
+    return FIXTURES
