@@ -79,7 +79,7 @@ class Model:
         return out[0] if single else out
 
     # ---- generation --------------------------------------------------------------------------------------
-    def _spec(self, method, budget, temperature) -> engine.Spec:
+    def _spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
         if method not in engine.METHODS:
             raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
         if budget is not None and budget < 0:
@@ -90,7 +90,10 @@ class Model:
             return engine.Spec(self.config, "ar", 0, temperature > 0)
         if self.drafter is None:
             raise GenerationError(f"method {method!r} needs a drafter: kimi_jax.load(path, drafter=...)")
-        block = self.drafter.config.block_size
+        block = block_size or self.drafter.config.block_size
+        if not 2 <= block <= self.drafter.config.block_size:
+            raise GenerationError(f"block_size {block} exceeds the drafter's {self.drafter.config.block_size} "
+                                  "(or is below 2)")
         if method == "dflash":
             budget = block - 1
         elif budget is None:
@@ -99,6 +102,10 @@ class Model:
 
     def _layout(self, rows, max_new, spec):
         longest = max(map(len, rows))
+        context = self.config.max_position_embeddings
+        if longest + spec.budget + 2 > context:
+            raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.budget + 1} "
+                                  f"tree tokens in the context of {context}; shorten it or lower the budget")
         need = longest + max_new + spec.budget + 1
         if need > self.config.max_position_embeddings:
             raise GenerationError(
@@ -123,16 +130,17 @@ class Model:
 
     def _args(self, prompt, lens, temperature, seed):
         dparams = None if self.drafter is None else self.drafter.params
-        return (self.params, dparams, jnp.asarray(prompt), jnp.asarray(lens),
-                jnp.float32(max(temperature, 1e-6)), jax.random.key(seed))
+        # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
+        return (self.params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
+                np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> Generation:
+                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        spec = self._spec(method, budget, temperature)
+        spec = self._spec(method, budget, temperature, block_size)
         rows = self.encode(prompt)
         prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
         program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
@@ -157,10 +165,11 @@ class Model:
         return Generation(tokens, text, stats)
 
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
-               temperature: float = 0.0, seed: int = 0, rounds_per_dispatch: int = 4) -> Iterator[list[list[int]]]:
+               temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
+               rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
-        spec = self._spec(method, budget, temperature)
+        spec = self._spec(method, budget, temperature, block_size)
         rows = self.encode(prompt)
         prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
         t0 = time.perf_counter()
@@ -191,6 +200,8 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     """Load a kimi_jax checkpoint (orbax) or an HF checkpoint directory (float weights)."""
     if not os.path.isdir(path):
         raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
+    if mesh is not None:
+        raise GenerationError("sharded serving (mesh=...) is not implemented yet; load on one device")
     if checkpoint.is_kimi_checkpoint(path):
         cfg, params = checkpoint.restore(path, dtype=dtype)
     elif os.path.exists(os.path.join(path, "config.json")):

@@ -205,40 +205,46 @@ def read_config(directory: str) -> ModelConfig:
         return ModelConfig.from_dict(json.load(f))
 
 
-def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None):
-    """Restore params; with ``shardings`` (a pytree of jax.sharding.Sharding) each device reads only its shard.
+def _flat(tree, is_leaf=None) -> dict:
+    """{'moe_layers/moe/experts/w13': leaf}: one path spelling for dicts and dataclasses (orbax stores both as dicts)."""
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    return {"/".join(map(name, path)): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
-    ``dtype`` casts the floating weights (not the float32 router bias) while reading.
-    """
+
+def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None):
+    """Restore params; with ``shardings`` (a pytree of jax.sharding.Sharding like the params) each device reads
+    only its shard. ``dtype`` casts the floating weights (not the float32 router bias) while reading."""
     import orbax.checkpoint as ocp
     directory = os.path.abspath(directory)
     cfg = cfg or read_config(directory)
     target_dir = os.path.join(directory, PARAMS_DIR)
     if not os.path.isdir(target_dir):
         raise CheckpointError(f"{target_dir} is missing: the checkpoint is incomplete")
+    specs = param_specs(cfg)
+    want = _flat(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    flat_shardings = _flat(shardings) if shardings is not None else {}
     with ocp.StandardCheckpointer() as ckptr:
         stored = ckptr.metadata(target_dir).item_metadata.tree
-        specs = param_specs(cfg)
-        _check_tree(stored, abstract_params(cfg, jnp.float32))
+        have = _flat(stored)
+        missing = sorted(set(want) - set(have))
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {missing[:3]} ({len(missing)} in all); was it written for "
+                                  "another config?")
+        for path, spec in want.items():
+            if tuple(have[path].shape) != tuple(spec.shape):
+                raise CheckpointError(f"param {path} has shape {tuple(have[path].shape)} in the checkpoint but the "
+                                      f"config implies {tuple(spec.shape)}")
 
-        def leaf(spec: ParamSpec, meta):
+        def target(path, meta):
+            key = "/".join(str(getattr(k, "key", k)) for k in path)
+            spec = want[key]
             keep = dtype is None or spec.dtype is not None or not jnp.issubdtype(meta.dtype, jnp.floating)
-            return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype)
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype, sharding=flat_shardings.get(key))
 
-        target = jax.tree.map(leaf, specs, stored, is_leaf=lambda x: isinstance(x, ParamSpec))
-        if shardings is not None:
-            target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
-        return cfg, ckptr.restore(target_dir, target)
-
-
-def _check_tree(stored, want):
-    flat_s = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
-    flat_w = dict(jax.tree_util.tree_flatten_with_path(want)[0])
-    missing = set(map(jax.tree_util.keystr, flat_w)) - set(map(jax.tree_util.keystr, flat_s))
-    if missing:
-        raise CheckpointError(f"checkpoint lacks {sorted(missing)[:3]} (and {max(0, len(missing) - 3)} more)")
-    for path, w in flat_w.items():
-        s = flat_s[path]
-        if tuple(s.shape) != tuple(w.shape):
-            raise CheckpointError(f"param {jax.tree_util.keystr(path)} has shape {tuple(s.shape)} in the "
-                                  f"checkpoint but the config implies {tuple(w.shape)}")
+        restored = ckptr.restore(target_dir, jax.tree_util.tree_map_with_path(target, stored))
+    # Back into the param tree's own node types (orbax hands dataclass nodes such as Int4Experts back as dicts).
+    leaves = _flat(restored)
+    treedef = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    return cfg, jax.tree.unflatten(treedef, [leaves[k] for k in want])

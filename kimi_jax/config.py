@@ -56,6 +56,8 @@ class ModelConfig:
     # Latent norms (q_a_layernorm, kv_a_layernorm): HF transformers builds them with eps 1e-6 whatever
     # rms_norm_eps says; vLLM passes rms_norm_eps. We follow HF, the numerical reference of the tests.
     latent_norm_eps: float = 1e-6
+    # Storage: routed experts as compressed-tensors INT4 (group 32), the K2-Thinking/K2.5/K2.6 format.
+    int4_experts: bool = False
     # Runtime choices (not architecture): how routed experts and attention are computed.
     moe_impl: str = "xla"           # "xla" | "pallas"
     attn_impl: str = "xla"          # "xla" | "pallas"
@@ -209,7 +211,7 @@ KIMI_K26 = ModelConfig(
     n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
     rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, rope_factor=64.0,
     rope_original_max_position_embeddings=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
-    bos_token_id=163584, eos_token_ids=(163585, 163586),
+    bos_token_id=163584, eos_token_ids=(163585, 163586), int4_experts=True,
 )
 
 # The same topology at test size: every code path of the full model, small numbers.

@@ -96,10 +96,14 @@ def _emit(state: State, new_tokens, count, eos_ids, max_new):
     return out, n_out, done
 
 
-def prefill(params, drafter_params, prompt, prompt_lens, temperature, key, *, spec: Spec, max_new: int,
+def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, *, spec: Spec, max_new: int,
             max_len: int) -> tuple[State, jax.Array]:
-    """Run the prompt [b, t] (right-padded; true lengths prompt_lens), emit the first token."""
+    """Run the prompt [b, t] (right-padded; true lengths prompt_lens), emit the first token.
+
+    Every input is a plain array (the key is made from ``seed`` here), so the host launches nothing else.
+    """
     cfg = spec.cfg
+    key = jax.random.key(seed)
     b = prompt.shape[0]
     cache = init_cache(cfg, b, max_len, params["embed"].dtype)
     taps = _taps(spec)
@@ -191,10 +195,10 @@ def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len"))
-def generate_program(params, drafter_params, prompt, prompt_lens, temperature, key, *, spec: Spec, max_new: int,
+def generate_program(params, drafter_params, prompt, prompt_lens, temperature, seed, *, spec: Spec, max_new: int,
                      max_len: int):
     """Prefill and every round: the whole generation as one XLA program."""
-    state, nan = prefill(params, drafter_params, prompt, prompt_lens, temperature, key, spec=spec,
+    state, nan = prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, spec=spec,
                          max_new=max_new, max_len=max_len)
     state, nan_rounds = run_rounds(params, drafter_params, spec, state, max_new)
     return state, nan | nan_rounds

@@ -18,26 +18,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Per-pair inverse frequencies [rope_dim/2] with the YaRN ramp between beta_fast and beta_slow.
+    """The target's per-pair inverse frequencies [qk_rope_head_dim / 2]."""
+    return yarn_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor,
+                            cfg.rope_original_max_position_embeddings, cfg.rope_beta_fast, cfg.rope_beta_slow)
 
-    The correction range uses original_max_position_embeddings (as vLLM and DeepSeek's code do); the cos/sin
-    tables are not rescaled (mscale ratio 1 for every K2 release); only the softmax scale carries mscale^2.
+
+def yarn_frequencies(dim: int, theta: float, factor: float, original_max: int, beta_fast: float,
+                     beta_slow: float) -> jax.Array:
+    """Inverse frequencies [dim/2] with the YaRN ramp between beta_fast and beta_slow (factor <= 1: plain RoPE).
+
+    The correction range uses original_max_position_embeddings (as HF 5.x, vLLM and DeepSeek's code do);
+    the cos/sin tables are not rescaled for the K2 target (mscale ratio 1); its softmax scale carries mscale^2.
     """
-    d = cfg.qk_rope_head_dim
-    base = cfg.rope_theta
-    extra = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    if cfg.rope_factor <= 1.0:
+    extra = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    if factor <= 1.0:
         return extra
-    inter = extra / cfg.rope_factor
+    inter = extra / factor
 
     def correction_dim(n_rot):
-        return d * math.log(cfg.rope_original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(original_max / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
     extrapolate = 1.0 - ramp
     return inter * (1.0 - extrapolate) + extra * extrapolate
 
@@ -55,6 +60,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """NeoX / Qwen3 layout: rotate (x[i], x[i + d/2]) by positions * inv_freq[i]; cos/sin multiplied by scale.
+
+    x: [b, t, heads, d] with positions [b, t].
+    """
+    angles = positions.astype(jnp.float32)[..., None, None] * inv_freq         # [b, t, 1, d/2]
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    xf = x.astype(jnp.float32)
+    first, second = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

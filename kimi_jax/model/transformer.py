@@ -64,14 +64,46 @@ def _layer_specs(cfg: ModelConfig, n: int, moe: bool) -> dict:
     spec["moe"] = {
         "router": _dense((n, d, e), L + ("embed", "experts_out"), d),
         "router_bias": ParamSpec((n, e), L + ("experts_out",), "zeros", dtype="float32"),
-        "experts": {"gate": _dense((n, e, d, f), L + ("experts", "embed", "expert_mlp"), d),
-                    "up": _dense((n, e, d, f), L + ("experts", "embed", "expert_mlp"), d),
-                    "down": _dense((n, e, f, d), L + ("experts", "expert_mlp", "embed"), f)},
+        "experts": _int4_expert_specs(n, e, d, f) if cfg.int4_experts else {
+            "gate": _dense((n, e, d, f), L + ("experts", "embed", "expert_mlp"), d),
+            "up": _dense((n, e, d, f), L + ("experts", "embed", "expert_mlp"), d),
+            "down": _dense((n, e, f, d), L + ("experts", "expert_mlp", "embed"), f)},
         "shared": {"gate": _dense((n, d, fs), L + ("embed", "mlp"), d),
                    "up": _dense((n, d, fs), L + ("embed", "mlp"), d),
                    "down": _dense((n, fs, d), L + ("mlp", "embed"), fs)},
     }
     return spec
+
+
+def _int4_expert_specs(n, e, d, f):
+    """Int4Experts of n stacked layers in the kernel layout (kimi_jax.quant); initialised by quantising."""
+    from kimi_jax.quant import CHUNK, GROUP_SIZE, Int4Experts
+    dp, fp = -(-d // CHUNK) * CHUNK, -(-f // CHUNK) * CHUNK
+    axes = {k: ("layers",) + tuple("experts" if a == "expert" else "expert_mlp" if a == "mlp" else a or "pair"
+                                   for a in v) for k, v in Int4Experts.LOGICAL_AXES.items()}
+    return Int4Experts(w13=ParamSpec((n, e, 2, dp // 8, f), axes["w13"], "int4", dtype="int32"),
+                       s13=ParamSpec((n, e, 2, dp // GROUP_SIZE, f), axes["s13"], "int4", dtype="bfloat16"),
+                       w2=ParamSpec((n, e, fp // 8, d), axes["w2"], "int4", dtype="int32"),
+                       s2=ParamSpec((n, e, fp // GROUP_SIZE, d), axes["s2"], "int4", dtype="bfloat16"))
+
+
+def quantize_experts(params, cfg: ModelConfig):
+    """A float params tree -> the same tree with INT4 routed experts, and the config that says so."""
+    from kimi_jax.quant import Int4Experts
+    experts = params["moe_layers"]["moe"]["experts"]
+    q = Int4Experts.quantize(experts["gate"], experts["up"], experts["down"])
+    q = jax.tree.map(jnp.asarray, q)
+    moe = {**params["moe_layers"]["moe"], "experts": q}
+    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}, cfg.replace(int4_experts=True)
+
+
+def dequantize_experts(params, cfg: ModelConfig):
+    """The inverse of quantize_experts: float32 experts with the INT4 values (for HF export and references)."""
+    if not cfg.int4_experts:
+        return params, cfg
+    experts = params["moe_layers"]["moe"]["experts"].dequantize()
+    moe = {**params["moe_layers"]["moe"], "experts": experts}
+    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}, cfg.replace(int4_experts=False)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -96,7 +128,10 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 1.0) -> dict:
-    """Random weights (normal with std scale/sqrt(fan_in)); used by tests and as the training start."""
+    """Random weights (normal with std scale/sqrt(fan_in)); used by tests and as the training start.
+    INT4 experts are drawn as float weights and quantised."""
+    if cfg.int4_experts:
+        return quantize_experts(init_params(cfg.replace(int4_experts=False), key, dtype, scale), cfg)[0]
     specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
 
     def one(s: ParamSpec, k):

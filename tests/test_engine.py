@@ -1,0 +1,168 @@
+"""The DDTree engine on a tiny random target: tree verify exactness, losslessness, cache commit, dispatches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax import ddtree, drafter as dflash, engine
+from kimi_jax.cache import KVCache, init_cache
+from kimi_jax.config import preset
+from kimi_jax.engine import GenerationError
+from kimi_jax.model.transformer import forward, full_logits, init_params
+
+CFG = preset("tiny").replace(eos_token_ids=())
+DCFG = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=64, vocab_size=256, block_size=5, mask_token_id=255,
+                            target_layer_ids=(0, 2))
+PROMPTS = [[5, 6, 7], list(range(20, 31))]
+jit_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("taps",))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return init_params(CFG, jax.random.key(0), scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def model(target):
+    return kimi_jax.Model(CFG, target, drafter=dflash.Drafter(DCFG, dflash.init_params(DCFG, jax.random.key(1))))
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(model):
+    return model.generate(PROMPTS, 24, method="ar").tokens
+
+
+def oracle_draft(sequences, wrong_depths=()):
+    """A drafter that knows the AR greedy continuation: peaked logits on the true next tokens, except at
+    `wrong_depths`, where the top token is wrong and the true one ranks second (so trees must branch)."""
+    table = jnp.asarray(sequences)
+
+    def draft(p, c, target_params, cache, bonus, lengths, block_size):
+        idx = lengths[:, None] + 1 + jnp.arange(block_size - 1)[None, :]
+        true = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1), axis=1)
+        logits = 5.0 * jax.nn.one_hot(true, c.vocab_size)
+        for d in wrong_depths:
+            logits = logits.at[:, d].add(6.0 * jax.nn.one_hot((true[:, d] + 1) % c.vocab_size, c.vocab_size))
+        return logits
+
+    return draft
+
+
+@pytest.fixture
+def patch_draft(monkeypatch):
+    """Swap the drafter's forward for a test double; traced programs are cached, so clear them both ways."""
+    def patch(fn):
+        jax.clear_caches()
+        monkeypatch.setattr(dflash, "draft", fn)
+    yield patch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def full_sequences(prompts, tokens, width=64):
+    out = np.zeros((len(prompts), width), np.int32)
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        s = p + t
+        out[i, :len(s)] = s
+    return out
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 8), ("ddtree", 40)])
+def test_random_drafter_is_lossless(model, ar_tokens, method, budget):
+    assert model.generate(PROMPTS, 24, method=method, budget=budget).tokens == ar_tokens
+
+
+@pytest.mark.parametrize("method,budget,wrong", [("dflash", None, ()), ("ddtree", 8, ()), ("ddtree", 12, (1,)),
+                                                  ("dflash", None, (2,))])
+def test_oracle_and_adversarial_drafters_are_lossless(model, ar_tokens, patch_draft, method, budget, wrong):
+    patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), wrong))
+    model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)       # no programs compiled before the patch
+    out = model.generate(PROMPTS, 24, method=method, budget=budget)
+    assert out.tokens == ar_tokens
+    if method == "ddtree" or not wrong:
+        assert out.stats["mean_tau"] > 2.0            # long paths really were accepted
+
+
+def test_tree_verify_equals_causal_forward_over_each_path(target):
+    """Logits and taps at every tree node equal a plain causal forward over prefix + that node's root path."""
+    prefix = jnp.asarray([[3, 9, 27, 81, 5]])
+    logits = jax.random.normal(jax.random.key(5), (1, 3, CFG.vocab_size)) * 3
+    tree = ddtree.build_tree(jnp.asarray([7]), logits, 10)
+    cache = init_cache(CFG, 1, 32)
+    pre = jit_forward(target, CFG, prefix, cache)
+    cache = KVCache(pre.cache.kv, jnp.asarray([5]))
+    out = forward(target, CFG, tree.tokens, cache, positions=5 + tree.depths, new_mask=ddtree.ancestor_mask(tree),
+                  taps=(0, 1, 2))
+    parents = np.asarray(tree.parents[0])
+    for i in range(tree.tokens.shape[1]):
+        path, j = [], i
+        while j >= 0:
+            path.append(int(tree.tokens[0, j])); j = parents[j]
+        seq = jnp.asarray([[3, 9, 27, 81, 5] + path[::-1]])
+        ref = jit_forward(target, CFG, seq, init_cache(CFG, 1, seq.shape[1]), taps=(0, 1, 2))
+        np.testing.assert_allclose(out.logits[0, i], ref.logits[0, -1], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(out.taps[:, 0, i], ref.taps[:, 0, -1], rtol=2e-4, atol=2e-4)
+
+
+def test_caches_after_every_round(model, ar_tokens, patch_draft):
+    """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
+    patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
+    spec = model._spec("ddtree", 8, 0.0)
+    prompt, lens, max_len = model._layout(model.encode(PROMPTS), 24, spec)
+    args = model._args(prompt, lens, 0.0, 0)
+    state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
+    for _ in range(4):
+        state, _ = engine.chunk_program(model.params, args[1], state, spec=spec, rounds=1)
+        lengths = np.asarray(state.cache.lengths)
+        for b in range(len(PROMPTS)):
+            committed = (PROMPTS[b] + ar_tokens[b])[:lengths[b]]
+            assert committed[-1] != -1 and len(committed) == lengths[b]
+            fresh = jit_forward(model.params, CFG, jnp.asarray([committed]), init_cache(CFG, 1, len(committed)),
+                                taps=DCFG.target_layer_ids)
+            np.testing.assert_allclose(state.cache.kv[:, b, :lengths[b]], fresh.cache.kv[:, 0], rtol=2e-4, atol=2e-4)
+            k, v = dflash.context_kv(model.drafter.params, DCFG,
+                                     dflash.context_features(model.drafter.params, DCFG, fresh.taps),
+                                     jnp.arange(lengths[b])[None])
+            np.testing.assert_allclose(state.drafter.k[:, b, :lengths[b]], k[:, 0], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(state.drafter.v[:, b, :lengths[b]], v[:, 0], rtol=2e-4, atol=2e-4)
+
+
+def test_mask_token_survives_in_output(target):
+    """A genuine output token equal to the drafter's mask id is kept (the output tracks lengths, not masks)."""
+    first = kimi_jax.Model(CFG, target).generate([[5, 6, 7]], 6, method="ar").tokens[0]
+    dcfg = DCFG.__class__(**{**DCFG.to_dict(), "target_layer_ids": DCFG.target_layer_ids, "mask_token_id": first[2]})
+    m = kimi_jax.Model(CFG, target, drafter=dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1))))
+    assert m.generate([[5, 6, 7]], 6, method="ddtree", budget=6).tokens[0] == first
+
+
+def test_one_dispatch_per_generate(model, monkeypatch):
+    """Count compiled-program executions: the fast path is disabled so every launch goes through Python."""
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+    model.generate(PROMPTS, 8, method="ddtree", budget=4)           # compile outside the count
+    jax.clear_caches()
+    calls = []
+    real = pxla.ExecuteReplicated.__call__
+    monkeypatch.setattr(pjit, "_get_fastpath_data", lambda *a, **k: None)
+    monkeypatch.setattr(pxla.ExecuteReplicated, "__call__", lambda self, *a: (calls.append(self.name), real(self, *a))[1])
+    out = model.generate(PROMPTS, 8, method="ddtree", budget=4)
+    assert out.stats["dispatches"] == 1
+    assert len(calls) == 1, calls
+
+
+def test_bad_arguments(model, target):
+    with pytest.raises(GenerationError, match="budget must be >= 0"):
+        model.generate(PROMPTS, 4, method="ddtree", budget=-1)
+    with pytest.raises(GenerationError, match="block_size 9 exceeds the drafter's 5"):
+        model.generate(PROMPTS, 4, method="ddtree", block_size=9)
+    with pytest.raises(GenerationError, match="needs a drafter"):
+        kimi_jax.Model(CFG, target).generate(PROMPTS, 4, method="dflash")
+    with pytest.raises(GenerationError, match="no room"):
+        kimi_jax.Model(CFG.replace(max_position_embeddings=16), target, drafter=model.drafter).generate(
+            [list(range(14))], 4, method="ddtree", budget=8)
+    for bad, msg in [(dict(hidden_size=32, head_dim=8), "hidden_size 32"), (dict(vocab_size=300), "vocab_size 300")]:
+        with pytest.raises(dflash.DrafterError, match=msg):
+            dflash.DrafterConfig(**{**DCFG.to_dict(), **bad, "target_layer_ids": (0, 2)}).check_target(CFG)
