@@ -1,0 +1,244 @@
+"""HF K2.6-layout import (kimi_jax.convert), export back to HF, and sharded restore (CPU, 8 fake devices)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from kimi_jax import checkpoint
+from kimi_jax import convert
+from kimi_jax.checkpoint import CheckpointError
+from kimi_jax.model.transformer import abstract_params, full_logits, quantize_experts
+from kimi_jax.quant import Int4Experts, quantize_int4
+
+BF16 = ml_dtypes.bfloat16
+TOKENS = jnp.array([[3, 17, 200, 45, 9, 120, 77, 5]], jnp.int32)
+PRE = "language_model."
+
+
+def _weight_map(d):
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        return json.load(f)["weight_map"]
+
+
+@pytest.fixture(scope="module")
+def k26(tmp_path_factory, fixtures_dir):
+    """The hf_k25 fixture rewritten in K2.6's exact on-disk layout (INT4 experts, bf16 rest, shards + index)."""
+    cfg, params = checkpoint.load_hf(str(fixtures_dir / "hf_k25"))
+    qparams, qcfg = quantize_experts(params, cfg)
+    d = str(tmp_path_factory.mktemp("k26"))
+    convert.export_hf(qparams, qcfg, d, int4=True, prefix=PRE, dtype=jnp.bfloat16, max_shard_bytes=40_000,
+                      kimi_k25_wrapper=True, ignore=convert.K26_IGNORE)
+    return {"dir": d, "cfg": cfg, "params": params, "qparams": qparams, "qcfg": qcfg}
+
+
+@pytest.fixture(scope="module")
+def converted(k26, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("conv") / "ckpt")
+    stats = convert.convert_hf(k26["dir"], out, progress=False)
+    return out, stats
+
+
+def test_k26_layout_on_disk(k26):
+    d = k26["dir"]
+    conf = json.load(open(os.path.join(d, "config.json")))
+    assert conf["model_type"] == "kimi_k25" and conf["text_config"]["model_type"] == "kimi_k2"
+    assert conf["quantization_config"]["ignore"] == convert.K26_IGNORE
+    wm = _weight_map(d)
+    assert len(set(wm.values())) >= 3 and all(k.startswith(PRE) for k in wm)
+    name = PRE + "model.layers.1.mlp.experts.3.gate_proj"
+    with safe_open(os.path.join(d, wm[name + ".weight_packed"]), "numpy") as f:
+        packed = f.get_tensor(name + ".weight_packed")
+    with safe_open(os.path.join(d, wm[name + ".weight_scale"]), "numpy") as f:
+        scale = f.get_tensor(name + ".weight_scale")
+    with safe_open(os.path.join(d, wm[name + ".weight_shape"]), "numpy") as f:
+        shape = f.get_tensor(name + ".weight_shape")
+    with safe_open(os.path.join(d, wm[PRE + "model.layers.1.self_attn.q_b_proj.weight"]), "numpy") as f:
+        assert f.get_tensor(PRE + "model.layers.1.self_attn.q_b_proj.weight").dtype == BF16
+    assert packed.dtype == np.int32 and scale.dtype == BF16 and shape.dtype == np.int32
+    # What compressed-tensors (quantize_int4, bit-exact against the package in test_quant.py) writes for the
+    # HF [out, in] float weight.
+    hf = load_file(os.path.join(os.path.dirname(__file__), "fixtures", "hf_k25", "model.safetensors"))
+    want_p, want_s = quantize_int4(hf["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    np.testing.assert_array_equal(packed, want_p)
+    np.testing.assert_array_equal(scale.view(np.uint16), want_s.view(np.uint16))
+    assert shape.tolist() == list(hf["model.layers.1.mlp.experts.3.gate_proj.weight"].shape)
+
+
+def test_convert_logits_match_dequantised_reference(k26, converted):
+    out, stats = converted
+    cfg, params = checkpoint.restore(out, dtype=jnp.float32)
+    assert cfg.int4_experts and isinstance(params["moe_layers"]["moe"]["experts"], Int4Experts)
+    assert params["moe_layers"]["attn"]["q_b"].dtype == jnp.float32
+    raw_cfg, raw = checkpoint.restore(out)
+    assert raw["moe_layers"]["attn"]["q_b"].dtype == jnp.bfloat16            # stored bf16
+    assert raw["moe_layers"]["moe"]["router_bias"].dtype == jnp.float32
+    # INT4 bits survive the round trip HF triplets -> kernel layout -> disk exactly
+    q = k26["qparams"]["moe_layers"]["moe"]["experts"]
+    for f in ("w13", "s13", "w2", "s2"):
+        np.testing.assert_array_equal(np.asarray(getattr(raw["moe_layers"]["moe"]["experts"], f)),
+                                      np.asarray(getattr(q, f)))
+    # Reference: the float model with bf16-rounded non-expert weights and experts = Int4Experts.dequantize().
+    ref = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16).astype(jnp.float32) if a.dtype != jnp.int32 else a,
+                       k26["qparams"])
+    ref["moe_layers"]["moe"]["router_bias"] = k26["qparams"]["moe_layers"]["moe"]["router_bias"]
+    ref["moe_layers"]["moe"]["experts"] = q.dequantize()
+    want = full_logits(ref, k26["qcfg"].replace(int4_experts=False), TOKENS)
+    got = full_logits(params, cfg, TOKENS)
+    rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert rel < 1e-3, rel
+    assert stats["converted"] == 3 and stats["bytes"] > 0 and stats["peak_rss_mib"] > 0
+    assert not os.path.exists(os.path.join(out, convert.WORK_DIR))
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def test_killed_midway_then_resume_is_identical(k26, converted, tmp_path):
+    out = str(tmp_path / "ckpt")
+
+    def kill_after_layer_1(i):
+        if i == 1:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        convert.convert_hf(k26["dir"], out, progress=False, on_layer_written=kill_after_layer_1)
+    work = os.path.join(out, convert.WORK_DIR)
+    assert sorted(x for x in os.listdir(work) if x.startswith("layer_")) == ["layer_000", "layer_001"]
+    assert not checkpoint.is_kimi_checkpoint(out)
+    stats = convert.convert_hf(k26["dir"], out, progress=False)
+    assert (stats["converted"], stats["skipped"]) == (1, 2)
+    ref_dir = converted[0]
+    assert open(os.path.join(out, "kimi_config.json"), "rb").read() == \
+        open(os.path.join(ref_dir, "kimi_config.json"), "rb").read()
+    a = checkpoint._flat(checkpoint.restore(out)[1])
+    b = checkpoint._flat(checkpoint.restore(ref_dir)[1])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
+    with pytest.raises(CheckpointError, match="already holds"):
+        convert.convert_hf(k26["dir"], out, progress=False)
+
+
+def test_truncated_shard_names_it_and_keeps_done_layers(k26, tmp_path):
+    d = str(tmp_path / "hf")
+    shutil.copytree(k26["dir"], d)
+    wm = _weight_map(d)
+    bad = wm[PRE + "model.layers.2.mlp.experts.15.down_proj.weight_packed"]
+    assert not any(f == bad for k, f in wm.items() if ".layers.0." in k or ".layers.1." in k)
+    path = os.path.join(d, bad)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    out = str(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=bad):
+        convert.convert_hf(d, out, progress=False)
+    work = os.path.join(out, convert.WORK_DIR)
+    assert sorted(x for x in os.listdir(work) if x.startswith("layer_")) == ["layer_000", "layer_001"]
+    layer0 = convert._restore_tree(os.path.join(work, "layer_000"))
+    want = np.asarray(k26["params"]["dense_layers"]["attn"]["q_a"][0]).astype(BF16)
+    np.testing.assert_array_equal(layer0["attn"]["q_a"].view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("tensor,make_bad,match", [
+    ("model.layers.1.self_attn.kv_b_proj.weight", lambda a: a[:-1], "kv_b_proj.weight"),
+    ("model.layers.2.mlp.experts.4.up_proj.weight_packed", lambda a: a.astype(np.int64), "up_proj.weight_packed"),
+    ("model.layers.1.mlp.experts.0.down_proj.weight_shape", lambda a: a[::-1].copy(), "down_proj.weight_shape"),
+])
+def test_bad_tensor_is_named(k26, tmp_path, tensor, make_bad, match):
+    d = str(tmp_path / "hf")
+    shutil.copytree(k26["dir"], d)
+    shard = os.path.join(d, _weight_map(d)[PRE + tensor])
+    tensors = load_file(shard)
+    tensors[PRE + tensor] = make_bad(tensors[PRE + tensor])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=match):
+        convert.convert_hf(d, str(tmp_path / "ckpt"), progress=False)
+
+
+def test_ignore_list_semantics():
+    ign = convert.K26_IGNORE
+    assert convert.is_ignored("language_model.model.layers.1.self_attn.q_a_proj", ign)
+    assert convert.is_ignored("language_model.model.layers.0.mlp.gate_proj", ign)
+    assert convert.is_ignored("language_model.model.layers.3.mlp.shared_experts.down_proj", ign)
+    assert convert.is_ignored("language_model.lm_head", ign)
+    assert not convert.is_ignored("language_model.model.layers.1.mlp.experts.7.gate_proj", ign)
+    assert convert.is_ignored("lm_head", ["lm_head"]) and not convert.is_ignored("language_model.lm_head", ["lm_head"])
+
+
+def test_cli_error_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    r = subprocess.run([sys.executable, "-m", "kimi_jax.convert", "--hf", str(tmp_path / "nope"),
+                        "--out", str(tmp_path / "o"), "--quiet"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi_jax.convert: error:") and "config.json" in lines[0]
+
+
+def test_export_float_roundtrip(k26, tmp_path):
+    """int4=False, prefix='' (the transformers-loadable form) reads back with load_hf to the same weights."""
+    d = str(tmp_path / "hf")
+    convert.export_hf(k26["params"], k26["cfg"], d, int4=False, prefix="")
+    conf = json.load(open(os.path.join(d, "config.json")))
+    assert conf["model_type"] == "deepseek_v3" and "quantization_config" not in conf
+    assert conf["rope_scaling"]["factor"] == k26["cfg"].rope_factor
+    cfg2, p2 = checkpoint.load_hf(d)
+    assert cfg2.replace(name=k26["cfg"].name) == k26["cfg"]
+    a, b = checkpoint._flat(p2), checkpoint._flat(k26["params"])
+    for k in b:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+# ---- sharded restore -------------------------------------------------------------------------------------
+
+def shardings_for(params_abstract, mesh):
+    """Heads of q_b/kv_b/o and the expert-MLP axis over "tp", experts over "ep", everything else replicated."""
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "name", k)))
+
+    rules = {
+        "attn/q_b": P(None, None, "tp", None), "attn/kv_b": P(None, None, "tp", None),
+        "attn/o": P(None, "tp", None, None),
+        "experts/w13": P(None, "ep", None, None, "tp"), "experts/s13": P(None, "ep", None, None, "tp"),
+        "experts/w2": P(None, "ep", "tp", None), "experts/s2": P(None, "ep", "tp", None),
+    }
+
+    def one(path, leaf):
+        key = "/".join(name(k) for k in path)
+        spec = next((s for suffix, s in rules.items() if key.endswith(suffix)), P())
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, params_abstract)
+
+
+def test_sharded_restore(converted):
+    out, _ = converted
+    cfg = checkpoint.read_config(out)
+    # 8 devices: 4 heads in the tiny model, so heads/expert-MLP over tp=4 and the 16 experts over ep=2.
+    mesh = jax.make_mesh((2, 4), ("ep", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    shardings = shardings_for(abstract_params(cfg), mesh)
+    _, sharded = checkpoint.restore(out, shardings=shardings, dtype=jnp.float32)
+    q_b = sharded["moe_layers"]["attn"]["q_b"]
+    assert q_b.sharding.spec == P(None, None, "tp", None)
+    assert len(q_b.addressable_shards) == 8 and q_b.addressable_shards[0].data.shape[2] == cfg.num_attention_heads // 4
+    w13 = sharded["moe_layers"]["moe"]["experts"].w13
+    assert w13.sharding.spec == P(None, "ep", None, None, "tp")
+    assert w13.addressable_shards[0].data.shape[1] == cfg.n_routed_experts // 2
+    assert sharded["embed"].sharding.spec == P()
+    _, single = checkpoint.restore(out, dtype=jnp.float32)
+    want = full_logits(single, cfg, TOKENS)
+    got = jax.jit(lambda p, t: full_logits(p, cfg, t))(sharded, TOKENS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
