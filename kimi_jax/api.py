@@ -197,7 +197,13 @@ _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_
 
 
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None) -> Model:
-    """Load a kimi_jax checkpoint (orbax) or an HF checkpoint directory (float weights)."""
+    """Load a kimi_jax checkpoint (orbax) or an HF checkpoint directory (float weights).
+
+    dtype casts the floating weights (INT4 experts stay INT4). The default keeps the stored dtype, except on
+    the CPU, where XLA's float32 matmuls are faster and exact enough to compare against references.
+    """
+    if dtype is None and jax.default_backend() == "cpu":
+        dtype = jnp.float32
     if not os.path.isdir(path):
         raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
     if mesh is not None:

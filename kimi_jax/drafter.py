@@ -209,7 +209,7 @@ def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
     """
     inv_freq = _inv_freq(c)
     group = c.num_attention_heads // c.num_key_value_heads
-    x = target_params["embed"][block]
+    x = target_params["embed"][block].astype(p["fc"].dtype)
     visible = jnp.concatenate([ctx_visible, block_mask], axis=-1)          # [b, t, s + t]
 
     def layer(x, xs):

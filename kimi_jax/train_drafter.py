@@ -1,0 +1,155 @@
+"""Train a DFlash drafter for a target (research/ddtree.md section 1.2, training-time view).
+
+Data are the target's own greedy continuations of corpus prompts (what the drafter must predict at serving
+time). Per training sequence the target's tapped hidden states are computed once; random anchors a pick
+blocks ``[seq[a], MASK x (bs-1)]`` at positions a..a+bs-1 whose labels are ``seq[a+1 .. a+bs-1]``. A block sees
+the context rows before its anchor and its own block, bidirectionally, never another block, so many blocks pack
+into one drafter forward. The loss weights in-block position k by exp(-(k-1)/gamma). The target's embedding and
+lm_head are shared and frozen; only fc, the norms and the drafter layers train.
+
+    python -m kimi_jax.train_drafter --target checkpoints/target --out checkpoints/drafter
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax import drafter as dflash
+from kimi_jax.cache import init_cache
+from kimi_jax.model.transformer import forward
+
+
+def make_sequences(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> np.ndarray:
+    """prompt + the target's greedy continuation, for every prompt (equal prompt lengths)."""
+    rows = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        out = model.generate(chunk, max_new_tokens=new_tokens, method="ar")
+        for p, t in zip(chunk, out.tokens):
+            rows.append((p + t + [0] * new_tokens)[:len(p) + new_tokens])
+    return np.asarray(rows, np.int32)
+
+
+def block_batch(rng: np.random.Generator, seqs: np.ndarray, n_blocks: int, bs: int, mask_id: int):
+    """Anchors and the packed block inputs/labels/masks for a batch of sequences [b, t]."""
+    b, t = seqs.shape
+    anchors = np.stack([np.sort(rng.choice(np.arange(1, t - bs), n_blocks, replace=False)) for _ in range(b)])
+    offs = np.arange(bs)
+    pos = anchors[:, :, None] + offs                                          # [b, nb, bs]
+    tokens = np.where(offs == 0, np.take_along_axis(seqs, anchors, 1)[:, :, None], mask_id)
+    labels = np.take_along_axis(seqs, (pos + 1).reshape(b, -1), 1).reshape(b, n_blocks, bs)
+    return anchors.astype(np.int32), tokens.reshape(b, -1).astype(np.int32), pos.reshape(b, -1).astype(np.int32), \
+        labels.reshape(b, -1).astype(np.int32)
+
+
+def loss_fn(dparams, dcfg, target_params, taps, anchors, tokens, positions, labels, gamma):
+    b, t = taps.shape[1], taps.shape[2]
+    nb = anchors.shape[1]
+    bs = tokens.shape[1] // nb
+    ctx_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    k, v = dflash.context_kv(dparams, dcfg, dflash.context_features(dparams, dcfg, taps), ctx_pos)
+    ctx_visible = jnp.arange(t)[None, None, :] < jnp.repeat(anchors, bs, axis=1)[:, :, None]
+    block_id = jnp.arange(nb * bs) // bs
+    block_mask = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, nb * bs, nb * bs))
+    logits = dflash.block_logits(dparams, dcfg, target_params, tokens, positions, k, v, ctx_visible, block_mask)
+    logp = jax.nn.log_softmax(logits, -1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], -1)[..., 0]           # [b, nb*bs]
+    slot = jnp.arange(nb * bs) % bs
+    weight = jnp.where(slot == 0, 0.0, jnp.exp(-(slot - 1) / gamma))           # the anchor slot is not predicted
+    acc = (jnp.argmax(logits, -1) == labels) & (slot > 0)
+    return jnp.sum(nll * weight) / (b * jnp.sum(weight[:bs]) * nb), jnp.sum(acc) / (b * nb * (bs - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "cfg"))
+def target_taps(target_params, seqs, *, cfg, dcfg):
+    cache = init_cache(cfg, seqs.shape[0], seqs.shape[1], target_params["embed"].dtype)
+    return forward(target_params, cfg, seqs, cache, taps=dcfg.target_layer_ids).taps
+
+
+def adamw(params, grads, state, step, lr, b1=0.9, b2=0.95, wd=0.01, eps=1e-8):
+    m, v = state
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, grads)
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / c1 / (jnp.sqrt(v / c2) + eps) + wd * p), params, m, v)
+    return params, (m, v)
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnums=(0, 1))
+def train_step(dparams, opt, target_params, taps, anchors, tokens, positions, labels, step, lr, *, dcfg, gamma=7.0):
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(dparams, dcfg, target_params, taps, anchors,
+                                                                    tokens, positions, labels, gamma)
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), grads)
+    dparams, opt = adamw(dparams, grads, opt, step, lr)
+    return dparams, opt, loss, acc
+
+
+def main(argv=None):
+    import kimi_jax
+    from kimi_jax import corpus
+    p = argparse.ArgumentParser(prog="python -m kimi_jax.train_drafter")
+    p.add_argument("--target", default="checkpoints/target")
+    p.add_argument("--out", default="checkpoints/drafter")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--taps", default="1,2,3")
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=12)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    t0 = time.time()
+    model = kimi_jax.load(a.target)
+    cfg, tok = model.config, model.tokenizer
+    d = cfg.hidden_size
+    dcfg = dflash.DrafterConfig(hidden_size=d, num_hidden_layers=a.layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=d // 4, intermediate_size=2 * d,
+                                vocab_size=cfg.vocab_size, block_size=a.block_size, mask_token_id=tok.mask_id,
+                                target_layer_ids=tuple(int(x) for x in a.taps.split(",")), rms_norm_eps=1e-5,
+                                rope_theta=10000.0)
+    rng = np.random.default_rng(a.seed)
+    docs = corpus.read_split("train")                         # the target's training split
+    prompts = []
+    while len(prompts) < a.sequences:
+        ids = tok.encode(docs[rng.integers(len(docs))][1])
+        if len(ids) > a.prompt_len + 1:
+            s = rng.integers(0, len(ids) - a.prompt_len)
+            prompts.append(ids[s:s + a.prompt_len])
+    seqs = make_sequences(model, prompts, a.new_tokens)
+    print(f"{len(seqs)} target continuations of {a.new_tokens} tokens in {time.time() - t0:.0f}s", flush=True)
+    taps = np.concatenate([np.asarray(target_taps(model.params, jnp.asarray(seqs[i:i + 32]), cfg=cfg, dcfg=dcfg))
+                           for i in range(0, len(seqs), 32)], axis=1)         # [n_tap, n, t, d]
+    dparams = dflash.init_params(dcfg, jax.random.key(a.seed))
+    opt = (jax.tree.map(jnp.zeros_like, dparams), jax.tree.map(jnp.zeros_like, dparams))
+    for step in range(1, a.steps + 1):
+        rows = rng.choice(len(seqs), a.batch, replace=False)
+        anchors, tokens, positions, labels = block_batch(rng, seqs[rows], a.blocks, a.block_size, tok.mask_id)
+        lr = a.lr * min(1.0, step / 50) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
+        dparams, opt, loss, acc = train_step(dparams, opt, model.params, jnp.asarray(taps[:, rows]), anchors, tokens,
+                                             positions, labels, jnp.float32(step), jnp.float32(lr), dcfg=dcfg)
+        if step % 25 == 0 or step == a.steps:
+            print(f"step {step}/{a.steps} loss {float(loss):.3f} block acc {float(acc):.3f} "
+                  f"elapsed {time.time() - t0:.0f}s", flush=True)
+    dflash.save_drafter(a.out, dflash.Drafter(dcfg, dparams))
+    with open(os.path.join(a.out, "train_log.json"), "w") as f:
+        json.dump({"args": vars(a), "final_loss": float(loss), "final_block_acc": float(acc),
+                   "wall_s": time.time() - t0}, f, indent=1)
+    print(f"saved {a.out} in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
