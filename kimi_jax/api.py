@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import checkpoint, engine
+from kimi_jax import checkpoint, engine, partitioning
 from kimi_jax.config import ModelConfig
 from kimi_jax.engine import GenerationError
 from kimi_jax.model.transformer import full_logits
@@ -124,7 +124,8 @@ class Model:
         if key not in self._programs:
             t0 = time.perf_counter()
             args = self._args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0)
-            lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
+            with partitioning.use(self.mesh):
+                lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
 
@@ -174,7 +175,8 @@ class Model:
         prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
         t0 = time.perf_counter()
         args = self._args(prompt_arr, lens, temperature, seed)
-        state, nan = engine.prefill_program(*args, spec=spec, max_new=max_new_tokens, max_len=max_len)
+        with partitioning.use(self.mesh):
+            state, nan = engine.prefill_program(*args, spec=spec, max_new=max_new_tokens, max_len=max_len)
         dispatches, seen = 1, np.zeros(len(rows), np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
@@ -184,7 +186,8 @@ class Model:
                 yield chunk
             if done.all() or bool(nan):
                 break
-            state, bad = engine.chunk_program(self.params, args[1], state, spec=spec, rounds=rounds_per_dispatch)
+            with partitioning.use(self.mesh):
+                state, bad = engine.chunk_program(self.params, args[1], state, spec=spec, rounds=rounds_per_dispatch)
             nan = nan | bad
             dispatches += 1
         if bool(nan):
@@ -206,8 +209,6 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
         dtype = jnp.float32
     if not os.path.isdir(path):
         raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
-    if mesh is not None:
-        raise GenerationError("sharded serving (mesh=...) is not implemented yet; load on one device")
     if checkpoint.is_kimi_checkpoint(path):
         cfg, params = checkpoint.restore(path, dtype=dtype)
     elif os.path.exists(os.path.join(path, "config.json")):
@@ -222,8 +223,14 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     except (FileNotFoundError, ImportError, ValueError):
         if tokenizer is not None:
             raise
+    if mesh is not None:
+        from kimi_jax import partitioning
+        mesh = partitioning.make_mesh(mesh)
+        params = partitioning.shard_params(params, cfg, mesh)
     model = Model(cfg, params, tokenizer=tok, mesh=mesh)
     if drafter is not None:
         from kimi_jax.drafter import load_drafter
         model.drafter = load_drafter(drafter, cfg)
+        if mesh is not None:          # the drafter is small: replicated on every device of the mesh
+            model.drafter.params = jax.device_put(model.drafter.params, partitioning.replicated(mesh))
     return model

@@ -199,6 +199,31 @@ def init_state(params) -> dict:
             "step": jnp.zeros((), jnp.int32)}
 
 
+def adamw(params, grads, mu, nu, t, lr, hp: Hyper, frozen=lambda path: False):
+    """One AdamW step with global-norm clipping (t = 1-based step). Leaves where frozen(path) is true keep
+    their value and moments; weight decay applies to matrices only. Returns (params, mu, nu, grad norm)."""
+    gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, hp.clip / (gnorm + 1e-6))
+    t = jnp.asarray(t, jnp.float32)
+
+    def update(path, p, g, m, v):
+        if frozen(path):
+            return p, m, v
+        g = g * scale
+        m = hp.b1 * m + (1 - hp.b1) * g
+        v = hp.b2 * v + (1 - hp.b2) * g * g
+        upd = (m / (1 - hp.b1 ** t)) / (jnp.sqrt(v / (1 - hp.b2 ** t)) + hp.eps)
+        if p.ndim >= 2:
+            upd = upd + hp.weight_decay * p
+        return p - lr * upd, m, v
+
+    out = jax.tree_util.tree_map_with_path(update, params, grads, mu, nu)
+    treedef = jax.tree.structure(params)
+    leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, tuple))
+    new_p, mu, nu = (jax.tree.unflatten(treedef, [o[i] for o in leaves]) for i in range(3))
+    return new_p, mu, nu, gnorm
+
+
 def balance_bias(bias, loads, gamma):
     """Aux-loss-free balancing: raise under-loaded experts' bias, lower over-loaded ones' (per layer)."""
     mean = loads.mean(axis=-1, keepdims=True)
@@ -215,26 +240,8 @@ def make_train_step(cfg: ModelConfig, hp: Hyper):
     def step_fn(state, batch):
         params, step = state["params"], state["step"]
         (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-        gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        scale = jnp.minimum(1.0, hp.clip / (gnorm + 1e-6))
         lr = lr_at(step, hp)
-        t = (step + 1).astype(jnp.float32)
-
-        def update(path, p, g, mu, nu):
-            if _is_bias(path):
-                return p, mu, nu
-            g = g * scale
-            mu = hp.b1 * mu + (1 - hp.b1) * g
-            nu = hp.b2 * nu + (1 - hp.b2) * g * g
-            upd = (mu / (1 - hp.b1 ** t)) / (jnp.sqrt(nu / (1 - hp.b2 ** t)) + hp.eps)
-            if p.ndim >= 2:
-                upd = upd + hp.weight_decay * p
-            return p - lr * upd, mu, nu
-
-        out = jax.tree_util.tree_map_with_path(update, params, grads, state["mu"], state["nu"])
-        treedef = jax.tree.structure(params)
-        new_p, mu, nu = (jax.tree.unflatten(treedef, [o[i] for o in jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, tuple))])
-                         for i in range(3))
+        new_p, mu, nu, gnorm = adamw(params, grads, state["mu"], state["nu"], step + 1, lr, hp, frozen=_is_bias)
         if cfg.num_moe_layers:
             moe = new_p["moe_layers"]["moe"]
             moe["router_bias"] = balance_bias(moe["router_bias"], loads, hp.bias_gamma)

@@ -26,6 +26,7 @@ import numpy as np
 from kimi_jax import drafter as dflash
 from kimi_jax.cache import init_cache
 from kimi_jax.model.transformer import forward
+from kimi_jax.train import Hyper, adamw
 
 
 def make_sequences(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> np.ndarray:
@@ -75,23 +76,12 @@ def target_taps(target_params, seqs, *, cfg, dcfg):
     return forward(target_params, cfg, seqs, cache, taps=dcfg.target_layer_ids).taps
 
 
-def adamw(params, grads, state, step, lr, b1=0.9, b2=0.95, wd=0.01, eps=1e-8):
-    m, v = state
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, grads)
-    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
-    params = jax.tree.map(lambda p, m, v: p - lr * (m / c1 / (jnp.sqrt(v / c2) + eps) + wd * p), params, m, v)
-    return params, (m, v)
-
-
 @functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnums=(0, 1))
 def train_step(dparams, opt, target_params, taps, anchors, tokens, positions, labels, step, lr, *, dcfg, gamma=7.0):
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(dparams, dcfg, target_params, taps, anchors,
                                                                     tokens, positions, labels, gamma)
-    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), grads)
-    dparams, opt = adamw(dparams, grads, opt, step, lr)
-    return dparams, opt, loss, acc
+    dparams, mu, nu, _ = adamw(dparams, grads, *opt, step, lr, Hyper(weight_decay=0.01))
+    return dparams, (mu, nu), loss, acc
 
 
 def main(argv=None):

@@ -166,3 +166,9 @@ def test_bad_arguments(model, target):
     for bad, msg in [(dict(hidden_size=32, head_dim=8), "hidden_size 32"), (dict(vocab_size=300), "vocab_size 300")]:
         with pytest.raises(dflash.DrafterError, match=msg):
             dflash.DrafterConfig(**{**DCFG.to_dict(), **bad, "target_layer_ids": (0, 2)}).check_target(CFG)
+
+
+def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
+    """attn_impl="pallas" routes verify attention through the Pallas kernel (interpret mode on CPU)."""
+    pallas = kimi_jax.Model(CFG.replace(attn_impl="pallas"), model.params, drafter=model.drafter)
+    assert pallas.generate(PROMPTS, 24, method="ddtree", budget=8).tokens == ar_tokens

@@ -51,7 +51,13 @@ def routed_experts(x, ids, weights, experts, cfg: ModelConfig):
 
 
 def moe_block(x, p, cfg: ModelConfig):
-    """x [..., d] -> [..., d]: routed experts plus the shared expert."""
+    """x [..., d] -> [..., d]: routed experts plus the shared expert.
+
+    Under ``kimi_jax.partitioning.use(mesh)`` the block runs in shard_map with the strategy's collectives."""
+    from kimi_jax import partitioning
+    sharded = partitioning.moe_hook(x, p, cfg)
+    if sharded is not None:
+        return sharded
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids, weights = route(flat, p["router"], p["router_bias"], cfg)

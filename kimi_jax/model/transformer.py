@@ -161,21 +161,38 @@ def visibility(lengths, new_mask, max_len):
     return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_vis)
 
 
-def _layer(cfg: ModelConfig, moe: bool, attn_form: str, ctx, x, kv, layer_params, layer_index):
-    """One decoder layer. ctx = (positions, slots, visible, inv_freq); kv is the whole [L, b, s, c] cache."""
-    positions, slots, visible, inv_freq = ctx
+class LayerContext(NamedTuple):
+    """What every layer of one forward shares."""
+    positions: jax.Array     # [b, t] RoPE positions of the new tokens
+    slots: jax.Array         # [b, t] cache slots their rows are written to
+    visible: jax.Array       # [b, t, s] dense key visibility (XLA attention)
+    lengths: jax.Array       # [b] committed rows; with new_mask, the same visibility for the Pallas kernel
+    new_mask: jax.Array      # [b, t, t]
+    inv_freq: jax.Array
+
+
+# Widths up to this go through the tree-attention kernel when attn_impl="pallas"; prefill keeps XLA attention.
+TREE_KERNEL_MAX_WIDTH = 256
+
+
+def _layer(cfg: ModelConfig, moe: bool, attn_form: str, ctx: LayerContext, x, kv, layer_params, layer_index):
+    """One decoder layer; kv is the whole [L, b, s, c] cache."""
+    positions, slots, inv_freq = ctx.positions, ctx.slots, ctx.inv_freq
     p = layer_params["attn"]
     h = rms_norm(x, layer_params["attn_norm"], cfg.rms_norm_eps)
     q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
     rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
     batch = jnp.arange(x.shape[0])[:, None]
     kv = kv.at[layer_index, batch, slots].set(rows.astype(kv.dtype), mode="drop")
-    attend = {"absorbed": mla.attend_absorbed, "full": mla.attend_full}[attn_form]
-    x = x + mla.output(attend(q_nope, q_pe, kv[layer_index], visible, p, cfg), p)
+    if attn_form == "absorbed" and cfg.attn_impl == "pallas" and x.shape[1] <= TREE_KERNEL_MAX_WIDTH:
+        o = mla.attend_tree(q_nope, q_pe, kv[layer_index], ctx.lengths, ctx.new_mask, p, cfg)
+    else:
+        attend = {"absorbed": mla.attend_absorbed, "full": mla.attend_full}[attn_form]
+        o = attend(q_nope, q_pe, kv[layer_index], ctx.visible, p, cfg)
+    x = x + mla.output(o, p)
     h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
     if moe:
-        from kimi_jax.model.moe import moe_block as ffn
-        x = x + ffn(h, layer_params["moe"], cfg)
+        x = x + moe_block(h, layer_params["moe"], cfg)
     else:
         m = layer_params["mlp"]
         x = x + swiglu(h, m["gate"], m["up"], m["down"])
@@ -203,7 +220,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
         positions = slots
     if new_mask is None:
         new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    ctx = (positions, slots, visibility(cache.lengths, new_mask, cache.max_len), yarn_inv_freq(cfg))
+    ctx = LayerContext(positions, slots, visibility(cache.lengths, new_mask, cache.max_len), cache.lengths, new_mask,
+                       yarn_inv_freq(cfg))
     taps = tuple(taps)
     for l in taps:
         if not 0 <= l < cfg.num_hidden_layers:

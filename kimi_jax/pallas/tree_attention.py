@@ -1,0 +1,346 @@
+"""Tree-verify attention over the MLA latent cache: a Pallas flash-decoding kernel, an XLA two-pass path and a
+dense oracle.
+
+``latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale)`` is the attention core of absorbed MLA
+(``mla.attend_absorbed`` between W_UK and W_UV) for ``t`` new tokens (a decode step, a chain or a DDTree tree):
+
+* ``q_lat [b,t,h,r]`` (queries with W_UK folded in), ``q_pe [b,t,h,p]`` (rotated rope part);
+* ``kv [b,s,r+p]``: latent rows ``[c_kv (r) | k_pe (p)]``. The new tokens' rows are already written at slots
+  ``lengths + j`` (j < t);
+* key ``s`` is visible to new token ``i`` iff ``s < lengths[b]`` (committed prefix) or
+  ``s = lengths[b] + j`` with ``new_mask[b, i, j]`` (``transformer.visibility``; slots past the cache end do not
+  exist);
+* ``o_lat[b,i,h] = sum_s softmax_s(scale * (q_lat·c_kv[s] + q_pe·k_pe[s])) c_kv[s]`` (K = V = latent rows).
+
+Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
+gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
+
+Exact softmax splitting (research/ddtree.md section 6 item 3, SGLang #29706): the keys split into the committed
+prefix (no mask beyond ``s < lengths``, shared by every query) and the ``t`` tree rows (the ancestor mask). Each
+part gives a partial state (running max ``m``, sum ``l``, unnormalised output ``acc``) and the states merge by
+log-sum-exp: ``o = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i``.
+
+**impl="xla"**: that recipe with two dense einsum passes (prefix over all ``s`` slots masked by ``s < lengths``,
+tree over the ``t`` rows gathered at ``lengths + j``), merged by LSE.
+
+**impl="pallas"**: one ``pl.pallas_call`` in the Triton-lowering subset (power-of-two loads, ``fori_loop``,
+``pl.when``; ``interpret`` defaults to "not on a GPU").
+
+- Absorbed MLA is MQA: all heads share the latent rows, so the ``t*h`` (node, head) pairs of a batch row are
+  flattened into one query axis (node-major, padded to the query block ``bq``).
+- Grid ``(nq, ns + 1, b)``: query block, key split, batch row. Query blocks are the fastest launch axis (Triton
+  axis 0), so the programs streaming the same key range run together and share it through L2.
+- Splits ``0 .. ns-1`` (flash-decoding): split ``j`` streams prefix key blocks ``[j*bps, (j+1)*bps)`` of ``bk``
+  rows, stopping at ``ceil(lengths / bk)``, with an online softmax. Each block is two loads and two dots per
+  score tile: ``[bk, r]`` c_kv and ``[bk, p]`` k_pe (576 = 512 + 64 for K2, both powers of two), then one
+  ``[bq, bk] x [bk, r]`` dot for the output. The cache is read in place (never copied or padded): the last block
+  of a ragged cache is loaded from ``min(start, s - bk)`` and the rows before ``start`` or at/after ``lengths``
+  are masked out.
+- Split ``ns`` does the tree: the ``t`` rows gathered outside the kernel (``[b, Tp, r+p]``, Tp = t rounded up to
+  32: a tiny copy) under the ancestor mask, which travels bit-packed: one int32 word per query row and 32 tree
+  keys, expanded in the kernel with a shift and mask (so the mask costs ``Qp * Tp / 8`` bytes, not ``Qp * Tp``).
+  Tree key blocks are 32 rows.
+- Feature dims that are not powers of two >= 16 (tiny test configs) are zero-padded outside the kernel, which
+  copies the cache; K2's 512 + 64 never does.
+- Each program writes its partial ``(acc [bq, r], m, l)`` in float32; the ``ns + 1`` partials merge by LSE in
+  jnp (a few MB at K2 widths).
+
+Tiling (for an H200; nothing here has been run on hardware yet). K2: ``h = 64`` heads (``64/TP`` per device),
+``t = 1 + N`` tree nodes, head dim ``r + p = 512 + 64``, value dim 512.
+
+- ``bq = 32`` queries (the next power of two of ``t*h`` below that, min 16 = Triton's smallest dot). One query
+  block covering all ``(1+N)*64`` queries would read the cache exactly once per layer, but its float32
+  accumulator alone (``1088 x 512 x 4`` B = 2.2 MB at N = 16) is far beyond one SM's registers; even 64 x 512
+  is 128 KiB. With 32 queries and 8 warps the accumulator is 64 registers a thread and the q tile 32. So the
+  cache is streamed once per query block (``ceil((1+N)*64/32)`` = 34 at N = 16, 4 at decode) and those reads
+  hit L2 (one layer's cache at 4k context is 4.7 MB; H200 L2 50 MB) because query blocks are the fastest axis.
+- ``bk = 64`` key rows per block: 64 KiB of c_kv + 8 KiB of k_pe per stage in bf16, ``num_stages = 2``.
+- ``ns`` = enough splits for ~2 programs per SM (264) given ``b * nq``, but at least 4 key blocks per split and
+  at most ``ceil(s / bk)``. It depends on the static cache size, not on the actual lengths, so short rows leave
+  some programs idle (they exit after zero iterations).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+IMPLS = ("xla", "pallas")
+F32 = jnp.float32
+MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
+
+# Pallas (Triton) tiles; see the module docstring.
+PALLAS_BLOCK_Q = 32
+PALLAS_BLOCK_K = 64
+TREE_BLOCK = 32         # tree keys per block = bits per mask word
+PALLAS_NUM_WARPS = 8
+PALLAS_NUM_STAGES = 2
+TARGET_PROGRAMS = 264   # ~2 per H200 SM
+MIN_BLOCKS_PER_SPLIT = 4
+MIN_DOT = 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# references
+
+
+def dense_reference(q_lat, q_pe, kv, lengths, new_mask, scale: float):
+    """The oracle: one softmax over the dense [b, t, s] visibility mask, as ``mla.attend_absorbed`` computes it."""
+    from kimi_jax.model.transformer import visibility
+
+    # Inputs upcast (exact) so that XLA:CPU never needs a bf16 x bf16 -> f32 dot, which its DotThunk lacks for
+    # some shapes; the probabilities are still rounded to the cache dtype as attend_absorbed does.
+    r = q_lat.shape[-1]
+    hp = jax.lax.Precision.HIGHEST
+    q_lat, q_pe, c_kv, k_pe = (x.astype(F32) for x in (q_lat, q_pe, kv[..., :r], kv[..., r:]))
+    visible = visibility(lengths, new_mask, kv.shape[1])                         # [b, t, s]
+    scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, precision=hp)
+              + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe, precision=hp))
+    scores = jnp.where(visible[:, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(kv.dtype).astype(F32)
+    return jnp.einsum("bhts,bsr->bthr", probs, c_kv, precision=hp)
+
+
+def _tree_rows(kv, lengths, t: int, width: int):
+    """The rows at slots lengths + j (j < width) [b, width, c], zeroed where j >= t or past the cache, and that
+    validity [b, width]."""
+    s = kv.shape[1]
+    slot = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    ok = (jnp.arange(width)[None, :] < t) & (slot < s) & (slot >= 0)
+    rows = jnp.take_along_axis(kv, jnp.clip(slot, 0, s - 1)[:, :, None], axis=1)
+    return jnp.where(ok[:, :, None], rows, jnp.zeros((), kv.dtype)), ok
+
+
+def _partial_state(q_lat, q_pe, c_kv, k_pe, visible, scale):
+    """(m, l, acc) of one key part; visible broadcasts to [b, t, h, s]. acc is unnormalised, float32."""
+    scores = (jnp.einsum("bthr,bsr->bths", q_lat, c_kv, preferred_element_type=F32)
+              + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=F32)) * scale
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1)
+    probs = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
+    acc = jnp.einsum("bths,bsr->bthr", probs.astype(c_kv.dtype), c_kv, preferred_element_type=F32)
+    return m, jnp.sum(probs, axis=-1), acc
+
+
+def merge_states(m, l, acc, axis: int):
+    """LSE merge of partial states stacked along ``axis`` (m, l: [..., q]; acc: [..., q, r])."""
+    big_m = jnp.max(m, axis=axis, keepdims=True)
+    w = jnp.exp(m - big_m)
+    total = jnp.sum(w * l, axis=axis)
+    out = jnp.sum(jnp.expand_dims(w, -1) * acc, axis=axis)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale):
+    r = q_lat.shape[-1]
+    b, t = new_mask.shape[:2]
+    s = kv.shape[1]
+    prefix_vis = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]           # [b, 1, 1, s]
+    m1, l1, a1 = _partial_state(q_lat, q_pe, kv[..., :r], kv[..., r:], prefix_vis, scale)
+    rows, ok = _tree_rows(kv, lengths, t, t)
+    tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
+    m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
+    return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas path
+
+
+def _dot_nt(a, b):
+    """a [m, k] @ b[n, k]^T in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _online_update(carry, q, qpe, c, kpe, valid, scale):
+    m, l, acc = carry
+    s = (_dot_nt(q, c) + _dot_nt(qpe, kpe)) * scale                     # [bq, nk]
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    prob = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    l = alpha * l + jnp.sum(prob, axis=1)
+    acc = alpha[:, None] * acc + jnp.dot(prob.astype(c.dtype), c, preferred_element_type=F32)
+    return m_new, l, acc
+
+
+def _kernel(len_ref, q_ref, qpe_ref, kv_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
+            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words):
+    split, bi = pl.program_id(1), pl.program_id(2)
+    length = jnp.minimum(len_ref[bi], n_slots)
+    q = q_ref[...]                  # q, q_pe arrive in the promoted dtype; cache tiles are cast to it (no-op
+    qpe = qpe_ref[...]              # when the cache has the same dtype, as in the model)
+    bq = q.shape[0]
+    dt = q.dtype
+    init = (jnp.full((bq,), MASK_VALUE, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, r), F32))
+
+    def store(state):
+        m, l, acc = state
+        m_ref[...] = m
+        l_ref[...] = l
+        o_ref[...] = acc
+
+    @pl.when(split < n_splits)
+    def _prefix():
+        first = split * bps
+        last = jnp.minimum(first + bps, (length + bk - 1) // bk)
+
+        def body(j, carry):
+            start = j * bk
+            row0 = jnp.minimum(start, n_rows - bk)          # stay in bounds on a ragged cache; mask the overlap
+            c = kv_ref[pl.ds(row0, bk), pl.ds(0, r)].astype(dt)
+            kpe = kv_ref[pl.ds(row0, bk), pl.ds(r, p)].astype(dt)
+            key = row0 + jnp.arange(bk, dtype=jnp.int32)
+            valid = ((key >= start) & (key < length))[None, :]
+            return _online_update(carry, q, qpe, c, kpe, valid, scale)
+
+        store(jax.lax.fori_loop(first, jnp.maximum(last, first), body, init))
+
+    @pl.when(split == n_splits)
+    def _tree():
+        bit = jnp.arange(TREE_BLOCK, dtype=jnp.int32)[None, :]
+
+        def body(j, carry):
+            c = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(0, r)].astype(dt)
+            kpe = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(r, p)].astype(dt)
+            words = w_ref[:, pl.ds(j, 1)]                                # [bq, 1]
+            valid = ((words >> bit) & 1) == 1                            # [bq, 32] (bit 31: the arithmetic
+            #                                                              shift's sign fill is masked off)
+            return _online_update(carry, q, qpe, c, kpe, valid, scale)
+
+        store(jax.lax.fori_loop(0, n_words, body, init))
+
+
+def _pack_mask(mask):
+    """bool [..., 32*W] -> int32 [..., W], bit k of word w = mask[..., 32w + k]."""
+    *lead, n = mask.shape
+    bits = mask.reshape(*lead, n // TREE_BLOCK, TREE_BLOCK).astype(jnp.uint32)
+    words = jnp.sum(bits << jnp.arange(TREE_BLOCK, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def default_splits(n_blocks: int, programs_per_split: int) -> int:
+    by_occupancy = _cdiv(TARGET_PROGRAMS, max(programs_per_split, 1))
+    by_work = _cdiv(n_blocks, MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_work, n_blocks))
+
+
+def _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
+                             num_splits):
+    b, t, h, r_in = q_lat.shape
+    p_in = q_pe.shape[-1]
+    n_slots = kv.shape[1]
+    r, p = max(MIN_DOT, _next_pow2(r_in)), max(MIN_DOT, _next_pow2(p_in))
+    if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
+        q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
+        q_pe = jnp.pad(q_pe, ((0, 0),) * 3 + ((0, p - p_in),))
+        kv = jnp.concatenate([jnp.pad(kv[..., :r_in], ((0, 0), (0, 0), (0, r - r_in))),
+                              jnp.pad(kv[..., r_in:], ((0, 0), (0, 0), (0, p - p_in)))], axis=-1)
+    if n_slots < MIN_DOT:     # tiny caches only: pad so that one key block fits (rows past lengths are masked)
+        kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))
+    n_rows = kv.shape[1]
+
+    n_q = t * h
+    bq = block_q or min(PALLAS_BLOCK_Q, max(MIN_DOT, _next_pow2(n_q)))
+    for name, v in (("block_q", bq), ("block_k", block_k or PALLAS_BLOCK_K)):
+        if v < MIN_DOT or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {v}")
+    bk = min(block_k or PALLAS_BLOCK_K, _prev_pow2(n_rows))
+    nq = _cdiv(n_q, bq)
+    qp = nq * bq
+    n_blocks = _cdiv(n_slots, bk)
+    ns = num_splits or default_splits(n_blocks, nq * b)
+    ns = max(1, min(ns, n_blocks))
+    bps = _cdiv(n_blocks, ns)
+
+    pad_q = lambda x: jnp.pad(x.reshape(b, n_q, -1), ((0, 0), (0, qp - n_q), (0, 0)))  # noqa: E731
+    dt = jnp.result_type(q_lat, q_pe, kv)
+    q2, qpe2 = pad_q(q_lat.astype(dt)), pad_q(q_pe.astype(dt))
+
+    tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
+    n_words = tp // TREE_BLOCK
+    tree_kv, ok = _tree_rows(kv[:, :n_slots], lengths, t, tp)
+    mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]    # [b, t, tp]
+    words = jnp.broadcast_to(_pack_mask(mask)[:, :, None, :], (b, t, h, n_words))
+    words = pad_q(words)                                                                   # [b, qp, W]
+
+    kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
+                               n_slots=n_slots, n_rows=n_rows, n_words=n_words)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(nq, ns + 1, b),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, k: (0,)),
+            pl.BlockSpec((None, bq, r), lambda i, j, k: (k, i, 0)),
+            pl.BlockSpec((None, bq, p), lambda i, j, k: (k, i, 0)),
+            pl.BlockSpec((None, n_rows, r + p), lambda i, j, k: (k, 0, 0)),
+            pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0)),
+            pl.BlockSpec((None, bq, n_words), lambda i, j, k: (k, i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bq, r), lambda i, j, k: (k, j, i, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, j, k: (k, j, i)),
+            pl.BlockSpec((None, None, bq), lambda i, j, k: (k, j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, ns + 1, qp, r), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=PALLAS_NUM_WARPS, num_stages=PALLAS_NUM_STAGES),
+        interpret=interpret,
+        name="mla_tree_attention",
+    )(lengths.astype(jnp.int32), q2, qpe2, kv, tree_kv, words)
+    out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
+    return out[:, :n_q, :r_in].reshape(b, t, h, r_in)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# API
+
+
+def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "xla",
+                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
+                     num_splits: int | None = None, out_dtype=None):
+    """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
+
+    q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
+    new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
+    dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
+    ``impl="pallas"``: ``interpret`` defaults to "not on a GPU"; block_q / block_k (powers of two >= 16) and
+    num_splits override the tiling.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    b, t, h, r = q_lat.shape
+    if q_pe.shape[:3] != (b, t, h) or kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != r + q_pe.shape[-1]:
+        raise ValueError(f"shapes disagree: q_lat {q_lat.shape}, q_pe {q_pe.shape}, kv {kv.shape} "
+                         "(want kv [b, s, r + p])")
+    if new_mask.shape != (b, t, t) or lengths.shape != (b,):
+        raise ValueError(f"want new_mask [{b},{t},{t}] and lengths [{b}], got {new_mask.shape}, {lengths.shape}")
+    lengths = lengths.astype(jnp.int32)
+    new_mask = new_mask.astype(bool)
+    if impl == "xla":
+        out = _latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale)
+    else:
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        out = _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
+                                       block_q=block_q, block_k=block_k, num_splits=num_splits)
+    return out.astype(out_dtype or q_lat.dtype)

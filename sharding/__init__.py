@@ -1,0 +1,1 @@
+"""Sharding-strategy sweeps for kimi_jax: ``python -m sharding.sweep`` (see sharding/README.md)."""

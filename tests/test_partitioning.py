@@ -1,0 +1,129 @@
+"""Sharding strategies on 8 fake CPU devices: same greedy tokens and logits as one device; clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kimi_jax
+from kimi_jax import partitioning as part
+from kimi_jax.cache import init_cache
+from kimi_jax.config import KIMI_K26, TINY
+from kimi_jax.model import moe, transformer
+
+# Tiny with 8 heads so every strategy can split them 8 ways; float experts (INT4's F=32 cannot be TP-split).
+CFG = TINY.replace(num_attention_heads=8)
+MESHES = {"tp": "tp=8", "ep": "ep=8", "tp_ep": "tp=4,ep=2", "dp_attn": "dp=2,tp=4"}
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 7, 200, 3, 64, 12, 90]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return transformer.init_params(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    model = kimi_jax.Model(CFG, params)
+    tokens = model.generate(PROMPTS, max_new_tokens=8, method="ar").tokens
+    return tokens, np.asarray(_logits(params, jnp.asarray(PROMPTS, jnp.int32)))
+
+
+@jax.jit
+def _logits(params, tokens):
+    return transformer.forward(params, CFG, tokens, init_cache(CFG, tokens.shape[0], 16)).logits
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_strategy_matches_one_device(strategy, params, reference):
+    ref_tokens, ref_logits = reference
+    mesh = part.make_mesh(MESHES[strategy])
+    assert part.infer_strategy(mesh) == strategy
+    sharded = part.shard_params(params, CFG, mesh, strategy)
+    # weights really are split: the routed experts of one device are a fraction of the whole
+    gate = sharded["moe_layers"]["moe"]["experts"]["gate"]
+    assert gate.addressable_shards[0].data.size < gate.size
+    with part.use(mesh, strategy):
+        tokens = jax.device_put(jnp.asarray(PROMPTS, jnp.int32), part.batch_sharding(mesh, strategy))
+        logits = np.asarray(_logits(sharded, tokens))
+        out = kimi_jax.Model(CFG, sharded).generate(PROMPTS, max_new_tokens=8, method="ar").tokens
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert out == ref_tokens
+
+
+def test_tp_collectives_one_allreduce_per_block(params):
+    """Under tp the compiled forward has 2 all-reduces per layer (attention, MoE/MLP) + 1 for the embedding."""
+    mesh = part.make_mesh("tp=8")
+    sharded = part.shard_params(params, CFG, mesh)
+    with part.use(mesh):
+        hlo = _logits.lower(sharded, jnp.asarray(PROMPTS, jnp.int32)).compile().as_text()
+    c = part.hlo_collectives(hlo)["per_kind"]
+    assert c["all-reduce"]["count"] == 2 * CFG.num_hidden_layers + 1
+    assert sum(v["count"] for k, v in c.items() if k != "all-reduce") == 0
+
+
+def test_strategy_tables_full_model():
+    mesh = jax.sharding.AbstractMesh((8,), ("tp",))
+    specs = part.param_partition_specs(KIMI_K26, mesh, "tp")
+    attn = specs["moe_layers"]["attn"]
+    assert attn["q_b"] == P(None, None, "tp") and attn["o"] == P(None, "tp")
+    assert attn["q_a"] == P() and attn["kv_a"] == P()                     # small projections replicated
+    ex = specs["moe_layers"]["moe"]["experts"]
+    assert ex.w13 == P(None, None, None, None, "tp") and ex.w2 == P(None, None, "tp")
+    assert specs["lm_head"] == P(None, "tp") and specs["embed"] == P("tp")
+    assert part.cache_sharding(KIMI_K26, mesh, "tp").kv.spec == P()      # latent cache replicated
+    ep = part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("ep",)), "ep")
+    assert ep["moe_layers"]["moe"]["experts"].w13 == P(None, "ep")
+    tpep = part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((4, 2), ("tp", "ep")), "tp_ep")
+    assert tpep["moe_layers"]["moe"]["experts"].w13 == P(None, "ep", None, None, "tp")
+    assert tpep["moe_layers"]["attn"]["q_b"] == P(None, None, ("tp", "ep"))
+    dp = jax.sharding.AbstractMesh((8,), ("dp",))
+    assert part.cache_sharding(KIMI_K26, dp, "dp_attn").kv.spec == P(None, "dp")
+    assert part.param_partition_specs(KIMI_K26, dp, "dp_attn")["moe_layers"]["attn"]["q_b"] == P()
+
+
+def test_make_mesh_parsing():
+    assert part.parse_mesh("tp=4, ep=2") == {"tp": 4, "ep": 2}
+    assert dict(part.make_mesh("dp=2,tp=4").shape) == {"dp": 2, "tp": 4}
+    for bad, words in [("tp8", "axis=size"), ("xx=2", "unknown axis"), ("tp=2,tp=4", "twice"),
+                       ("tp=16", "needs 16 devices")]:
+        with pytest.raises(part.ShardingError, match=words):
+            part.make_mesh(bad)
+
+
+def test_bad_meshes_name_axis_sizes_and_fix():
+    with pytest.raises(part.ShardingError, match=r"'heads' has size 4.*tp of size 8.*tp size divides the attention"):
+        part.param_shardings(TINY, part.make_mesh("tp=8"))                # TINY has 4 heads
+    ep32 = jax.sharding.AbstractMesh((32,), ("ep",))
+    with pytest.raises(part.ShardingError, match=r"'experts' has size 16.*ep of size 32.*ep size divides the routed"):
+        part.param_partition_specs(CFG.replace(num_attention_heads=32), ep32, "ep")
+    with pytest.raises(part.ShardingError, match=r"INT4 experts.*multiple of 256"):
+        part.param_shardings(TINY.replace(num_attention_heads=8, int4_experts=True), part.make_mesh("tp=8"))
+    with pytest.raises(part.ShardingError, match=r"batch 3 is not divisible.*size 2"):
+        part.cache_sharding(CFG, part.make_mesh("dp=2,tp=4"), batch=3)
+    with pytest.raises(part.ShardingError, match="unknown sharding strategy"):
+        part.param_shardings(CFG, part.make_mesh("tp=8"), "zz")
+    # K2.6 INT4 experts: F = 2048 splits 8 ways (256 each) but not 16 ways
+    part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("tp",)), "tp")
+    with pytest.raises(part.ShardingError, match="INT4"):
+        part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((16,), ("tp",)), "tp")
+
+
+def test_int4_experts_under_ep_match():
+    """INT4 routed experts through the int4_moe kernel path under EP (ids remapped to local experts)."""
+    from kimi_jax.quant import Int4Experts
+    cfg = CFG.replace(int4_experts=True)
+    p = jax.tree.map(lambda a: np.asarray(a[0]), params_float_moe())
+    p["experts"] = jax.tree.map(jnp.asarray, Int4Experts.quantize(p["experts"]["gate"], p["experts"]["up"],
+                                                                  p["experts"]["down"]))
+    x = jax.random.normal(jax.random.key(2), (6, cfg.hidden_size), jnp.float32)
+    ref = jax.jit(moe.moe_block, static_argnums=2)(x, p, cfg)
+    mesh = part.make_mesh("ep=8")
+    with part.use(mesh, "ep"):
+        got = jax.jit(lambda x, p: part.sharded_moe_block(x, p, cfg, mesh, "ep"))(x, p)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
+
+
+def params_float_moe():
+    return jax.jit(lambda k: transformer.init_params(CFG, k)["moe_layers"]["moe"])(jax.random.key(1))

@@ -1,0 +1,130 @@
+"""latent_attention: the Pallas kernel (interpret mode) and the XLA two-pass path against the dense-mask oracle."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import ddtree
+from kimi_jax.config import TINY
+from kimi_jax.model import mla
+from kimi_jax.model.transformer import visibility
+from kimi_jax.pallas.tree_attention import dense_reference, latent_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+attn = jax.jit(latent_attention, static_argnames=("scale", "impl", "interpret", "block_q", "block_k",
+                                                  "num_splits", "out_dtype"))
+
+
+def inputs(seed, b, t, h, r, p, s, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    n = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    return n(b, t, h, r), n(b, t, h, p), n(b, s, r + p)
+
+
+def causal(b, t):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+
+
+@functools.lru_cache(maxsize=None)
+def tree_mask():
+    """The ancestor mask [2, 8, 8] of a DDTree tree of 1 + 7 nodes over 2 depths of a 2-token vocabulary: only
+    2 + 4 = 6 prefixes exist, so slot 7 is padding that sees only itself. Built once (jitted) for all tests."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 2, 2)) * 2, jnp.float32)
+    tree = jax.jit(ddtree.build_tree, static_argnums=2)(jnp.zeros((2,), jnp.int32), logits, 7)
+    assert bool(tree.valid[:, :7].all()) and not bool(tree.valid[:, 7].any())
+    return jax.jit(ddtree.ancestor_mask)(tree)
+
+
+def check_all(q, qpe, kv, lengths, mask, scale=0.3, rtol=2e-5, **pallas_kw):
+    lengths = jnp.asarray(lengths, jnp.int32)
+    ref = np.asarray(dense_reference(q, qpe, kv, lengths, mask, scale), np.float32)
+    tol = dict(rtol=rtol, atol=rtol * np.abs(ref).max())
+    xla = attn(q, qpe, kv, lengths, mask, scale=scale, impl="xla", out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(xla), ref, **tol)
+    pal = attn(q, qpe, kv, lengths, mask, scale=scale, impl="pallas", out_dtype=jnp.float32, **pallas_kw)
+    assert pal.shape == q.shape and pal.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(pal), ref, **tol)
+    return ref
+
+
+# s = 70 is not a multiple of the 16-row key block. lengths: an empty prefix, mid-block, a full cache; in the
+# chain case row 2 has lengths + t > s, so its last 3 tree slots do not exist (transformer.visibility drops them).
+@pytest.mark.parametrize("t,lengths,splits", [
+    (1, [0, 23, 69], 5),               # decode, one key block per split
+    (6, [0, 33, 67], None),            # chain: causal mask, default splits (2)
+])
+def test_causal(t, lengths, splits):
+    q, qpe, kv = inputs(t, 3, t, 4, 32, 16, 70)
+    check_all(q, qpe, kv, lengths, causal(3, t), block_k=16, num_splits=splits)
+
+
+def test_ddtree_tree_with_padding():
+    mask = tree_mask()
+    assert bool(mask[:, 7, 7].all()) and int(mask[:, 7].sum()) == 2 and int(mask[:, :, 7].sum()) == 2
+    assert int(mask.sum()) > 2 * (8 + 6)         # depth-2 nodes see the root and their parent
+    q, qpe, kv = inputs(1, 2, 8, 2, 32, 16, 96)
+    check_all(q, qpe, kv, [7, 96 - 8], mask, block_k=32, num_splits=2)
+
+
+def test_big_tree_multiword_mask():
+    # 40 nodes: the packed mask spans two words and two tree key blocks; node 0 of row 1 sees only itself
+    rng = np.random.default_rng(2)
+    parents = np.stack([np.r_[-1, [rng.integers(0, i) for i in range(1, 40)]] for _ in range(2)])
+    valid = jnp.ones((2, 40), bool)
+    z = jnp.zeros((2, 40), jnp.int32)
+    mask = ddtree.ancestor_mask(ddtree.Tree(z, jnp.asarray(parents, jnp.int32), z, z.astype(jnp.float32), valid))
+    assert int(mask[0].sum()) > 2 * 40 - 1          # some node has an ancestor besides the root
+    q, qpe, kv = inputs(2, 2, 40, 1, 16, 16, 128)
+    check_all(q, qpe, kv, [0, 50], mask, block_k=32)
+
+
+def test_k2_head_dims():
+    """K2's latent 512 + 64 with 8 heads (a TP-8 shard), t = 8 tree nodes, four query blocks of 16."""
+    q, qpe, kv = inputs(5, 1, 8, 8, 512, 64, 64)
+    check_all(q, qpe, kv, [40], tree_mask()[:1], scale=0.05, rtol=1e-4, block_q=16, block_k=32)
+
+
+def test_bf16():
+    mask = tree_mask()
+    q, qpe, kv = inputs(6, 2, 8, 4, 32, 16, 80, jnp.bfloat16)
+    lengths = jnp.asarray([30, 72], jnp.int32)
+    ref = np.asarray(dense_reference(q, qpe, kv, lengths, mask, 0.2))
+    for impl in ("xla", "pallas"):
+        out = attn(q, qpe, kv, lengths, mask, scale=0.2, impl=impl, block_k=16)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=3e-2, atol=3e-2 * np.abs(ref).max())
+
+
+def test_matches_attend_absorbed():
+    """latent_attention between W_UK and W_UV reproduces mla.attend_absorbed on TINY's MLA dims (r = 16, p = 8:
+    p zero-padded to 16 for the kernel) with a cache of s = 14 < 16 rows (padded to one key block)."""
+    cfg = TINY
+    rng = np.random.default_rng(7)
+    b, t, h, s = 2, 8, cfg.num_attention_heads, 14
+    n, v, r, p = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {"kv_b": f(r, h, n + v) * 0.3}
+    q_nope, q_pe, kv = f(b, t, h, n), f(b, t, h, p), f(b, s, r + p)
+    lengths = jnp.asarray([0, 6], jnp.int32)
+    mask = tree_mask()
+    want = mla.attend_absorbed(q_nope, q_pe, kv, visibility(lengths, mask, s), params, cfg)
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, params["kv_b"][..., :n])
+    for impl in ("xla", "pallas"):
+        o_lat = attn(q_lat, q_pe, kv, lengths, mask, scale=cfg.softmax_scale, impl=impl)
+        got = jnp.einsum("bthr,rhv->bthv", o_lat, params["kv_b"][..., n:])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_rejects_bad_shapes():
+    q, qpe, kv = inputs(8, 1, 2, 2, 16, 16, 20)
+    with pytest.raises(ValueError):
+        latent_attention(q, qpe, kv, jnp.zeros((1,), jnp.int32), causal(1, 3), 1.0)
+    with pytest.raises(ValueError):
+        latent_attention(q, qpe, kv, jnp.zeros((1,), jnp.int32), causal(1, 2), 1.0, impl="triton")
+    with pytest.raises(ValueError):
+        latent_attention(q, qpe, kv, jnp.zeros((1,), jnp.int32), causal(1, 2), 1.0, impl="pallas", block_k=24)
