@@ -68,3 +68,17 @@ def read_split(split: str, root: str | None = None, max_bytes: int | None = None
         docs.append((rel, text))
         total += len(text)
     return docs
+
+
+def heldout_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n windows of `length` tokens from the held-out files (the target never trained on them)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    docs = [tok.encode(text) for _, text in read_split("heldout")]
+    docs = [d for d in docs if len(d) > length + 1]
+    out = []
+    for i in range(n):
+        d = docs[i % len(docs)]
+        s = int(rng.integers(0, len(d) - length))
+        out.append(d[s:s + length])
+    return out

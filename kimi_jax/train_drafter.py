@@ -43,16 +43,20 @@ def make_sequences(model, prompts: list[list[int]], new_tokens: int, batch: int 
 def block_batch(rng: np.random.Generator, seqs: np.ndarray, n_blocks: int, bs: int, mask_id: int):
     """Anchors and the packed block inputs/labels/masks for a batch of sequences [b, t]."""
     b, t = seqs.shape
-    anchors = np.stack([np.sort(rng.choice(np.arange(1, t - bs), n_blocks, replace=False)) for _ in range(b)])
+    anchors = np.stack([np.sort(rng.choice(np.arange(1, t - bs + 1), n_blocks, replace=False)) for _ in range(b)])
     offs = np.arange(bs)
     pos = anchors[:, :, None] + offs                                          # [b, nb, bs]
     tokens = np.where(offs == 0, np.take_along_axis(seqs, anchors, 1)[:, :, None], mask_id)
-    labels = np.take_along_axis(seqs, (pos + 1).reshape(b, -1), 1).reshape(b, n_blocks, bs)
+    # Slot j (at position a + j) predicts the token at its own position, as serving reads logits[:, 1:] for
+    # positions P + 1 .. P + bs - 1; slot 0 (the anchor) is not predicted.
+    labels = np.take_along_axis(seqs, pos.reshape(b, -1), 1).reshape(b, n_blocks, bs)
     return anchors.astype(np.int32), tokens.reshape(b, -1).astype(np.int32), pos.reshape(b, -1).astype(np.int32), \
         labels.reshape(b, -1).astype(np.int32)
 
 
-def loss_fn(dparams, dcfg, target_params, taps, anchors, tokens, positions, labels, gamma):
+def packed_logits(dparams, dcfg, target_params, taps, anchors, tokens, positions):
+    """Drafter logits [b, nb*bs, vocab] for nb blocks per sequence in one forward: block i sees the context rows
+    before its anchor and its own block only (what serving sees for a bonus token at that anchor)."""
     b, t = taps.shape[1], taps.shape[2]
     nb = anchors.shape[1]
     bs = tokens.shape[1] // nb
@@ -61,7 +65,13 @@ def loss_fn(dparams, dcfg, target_params, taps, anchors, tokens, positions, labe
     ctx_visible = jnp.arange(t)[None, None, :] < jnp.repeat(anchors, bs, axis=1)[:, :, None]
     block_id = jnp.arange(nb * bs) // bs
     block_mask = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, nb * bs, nb * bs))
-    logits = dflash.block_logits(dparams, dcfg, target_params, tokens, positions, k, v, ctx_visible, block_mask)
+    return dflash.block_logits(dparams, dcfg, target_params, tokens, positions, k, v, ctx_visible, block_mask)
+
+
+def loss_fn(dparams, dcfg, target_params, taps, anchors, tokens, positions, labels, gamma):
+    b, nb = anchors.shape
+    bs = tokens.shape[1] // nb
+    logits = packed_logits(dparams, dcfg, target_params, taps, anchors, tokens, positions)
     logp = jax.nn.log_softmax(logits, -1)
     nll = -jnp.take_along_axis(logp, labels[..., None], -1)[..., 0]           # [b, nb*bs]
     slot = jnp.arange(nb * bs) % bs

@@ -1,0 +1,112 @@
+"""Decode benchmark on held-out prompts: AR vs DFlash chain vs DDTree budgets, and HF transformers generate.
+
+    python -m bench.decode [--prompts 8] [--new-tokens 64] [--budgets 4,8,16,32,64,128,256] [--no-hf]
+
+Greedy, a fixed number of new tokens (stop tokens disabled so every method emits the same count), batch 1, one
+prompt at a time. Every method's tokens are compared with our AR tokens; HF transformers (PyTorch CPU, run by
+bench/hf_generate.py under --hf-python) generates from the same weights exported to HF format, and its tokens
+are compared too. Times exclude compilation (programs are compiled ahead of time). Prints one table and writes
+bench/results/decode_<backend>.json, the source of the README table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_method(model, prompts, new_tokens, method, budget=None):
+    toks, secs, taus = [], 0.0, []
+    for p in prompts:
+        model.generate([p], new_tokens, method=method, budget=budget)              # compile (cached per shape)
+        g = model.generate([p], new_tokens, method=method, budget=budget)
+        toks.append(g.tokens[0])
+        secs += g.stats["seconds"]
+        taus += g.stats["tau_per_round"][0]
+    return toks, secs, float(np.mean(taus))
+
+
+def run_hf(model, prompts, new_tokens, python):
+    """Export the weights to HF format and time transformers' greedy generate in a Python with torch."""
+    from kimi_jax.convert import export_hf
+    from kimi_jax.model.transformer import dequantize_experts
+    with tempfile.TemporaryDirectory() as d:
+        params, cfg = dequantize_experts(model.params, model.config)
+        export_hf(params, cfg, d, int4=False, prefix="", dtype="float32")
+        req = os.path.join(d, "request.json")
+        with open(req, "w") as f:
+            json.dump({"prompts": prompts, "new_tokens": new_tokens}, f)
+        res = subprocess.run([python, str(ROOT / "bench" / "hf_generate.py"), d, req], capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"HF generate failed: {res.stderr.strip().splitlines()[-1:]}")
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    import kimi_jax
+    p = argparse.ArgumentParser(prog="python -m bench.decode")
+    p.add_argument("--target", default=str(ROOT / "checkpoints" / "target"))
+    p.add_argument("--drafter", default=str(ROOT / "checkpoints" / "drafter"))
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--budgets", default="4,8,16,32,64,128,256")
+    p.add_argument("--hf-python", default="/tmp/venv311/bin/python",
+                   help="a Python with torch + transformers for the HF baseline")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+
+    model = kimi_jax.load(a.target, drafter=a.drafter)
+    model = kimi_jax.Model(model.config.replace(eos_token_ids=()), model.params, model.tokenizer, model.drafter)
+    from kimi_jax.corpus import heldout_prompts
+    prompts = heldout_prompts(model.tokenizer, a.prompts, a.prompt_len)
+    rows = []
+    ar_toks, ar_s, _ = run_method(model, prompts, a.new_tokens, "ar")
+    n_tok = a.prompts * a.new_tokens
+    rows.append(dict(method="ar", budget=0, tokens_per_s=n_tok / ar_s, tau=1.0, equal_to_ar=True))
+    configs = [("dflash", None)] + [("ddtree", int(b)) for b in a.budgets.split(",")]
+    for method, budget in configs:
+        toks, s, tau = run_method(model, prompts, a.new_tokens, method, budget)
+        rows.append(dict(method=method, budget=budget if budget is not None else model.drafter.config.block_size - 1,
+                         tokens_per_s=n_tok / s, tau=tau, equal_to_ar=toks == ar_toks))
+        print(f"  {method:6s} budget {rows[-1]['budget']:4d}: {rows[-1]['tokens_per_s']:8.1f} tok/s  tau {tau:.2f}",
+              file=sys.stderr)
+    hf = None
+    if not a.no_hf and os.path.exists(a.hf_python):
+        hf = run_hf(model, prompts, a.new_tokens, a.hf_python)
+        hf["equal_to_ar"] = hf.pop("tokens") == ar_toks
+        hf["tokens_per_s"] = n_tok / hf["seconds"]
+    ar_tps = rows[0]["tokens_per_s"]
+    print(f"\nheld-out prompts: {a.prompts} x {a.prompt_len} tokens, {a.new_tokens} new tokens each, greedy, batch 1, "
+          f"{jax.default_backend()} ({os.cpu_count()} cores)")
+    print(f"{'method':8s} {'budget':>6s} {'tok/s':>9s} {'tau':>6s} {'vs AR':>7s} {'vs HF':>7s}  tokens == AR")
+    for r in rows:
+        vs_hf = f"{r['tokens_per_s'] / hf['tokens_per_s']:6.2f}x" if hf else "    n/a"
+        print(f"{r['method']:8s} {r['budget']:6d} {r['tokens_per_s']:9.1f} {r['tau']:6.2f} "
+              f"{r['tokens_per_s'] / ar_tps:6.2f}x {vs_hf}  {r['equal_to_ar']}")
+    if hf:
+        print(f"{'hf':8s} {'':6s} {hf['tokens_per_s']:9.1f} {'':6s} {hf['tokens_per_s'] / ar_tps:6.2f}x "
+              f"{1.0:6.2f}x  {hf['equal_to_ar']}   (transformers {hf['transformers']}, torch {hf['torch']})")
+    out = a.out or str(ROOT / "bench" / "results" / f"decode_{jax.default_backend()}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"command": "python -m bench.decode " + " ".join(argv or sys.argv[1:]), "prompts": a.prompts,
+                   "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "rows": rows, "hf": hf,
+                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

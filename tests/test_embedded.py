@@ -1,0 +1,52 @@
+"""The shipped embedded default (checkpoints/): it loads, generates losslessly, and is a trained model."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.model.transformer import full_logits
+
+from conftest import FIXTURES
+
+ROOT = FIXTURES.parent.parent
+TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
+pytestmark = pytest.mark.skipif(not (DRAFTER / "drafter_config.json").exists(), reason="embedded default not built")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
+
+
+@pytest.fixture(scope="module")
+def heldout(model):
+    from kimi_jax.corpus import heldout_prompts
+    return heldout_prompts(model.tokenizer, 2, 48)
+
+
+def test_shipped_target_is_int4_and_small(model):
+    assert model.config.int4_experts
+    size = sum(f.stat().st_size for f in ROOT.joinpath("checkpoints").rglob("*") if f.is_file())
+    assert size < 12e6
+
+
+def test_greedy_ddtree_equals_ar_on_heldout_prompts(model, heldout):
+    ar = model.generate(heldout, 40, method="ar")
+    for method, budget in (("dflash", None), ("ddtree", 32)):
+        out = model.generate(heldout, 40, method=method, budget=budget)
+        assert out.tokens == ar.tokens
+        assert out.stats["mean_tau"] > 1.5                # the drafter really was trained
+    assert model.tokenizer.decode(ar.tokens[0]) == ar.text[0]
+
+
+def test_heldout_loss_below_model_card_bound(model):
+    from kimi_jax.train import eval_windows, token_stream
+    bound = float(re.search(r"held-out loss < ([0-9.]+)", (TARGET / "MODEL_CARD.md").read_text()).group(1))
+    windows = eval_windows(token_stream(model.tokenizer, "heldout"), 256)[:16]
+    logits = jax.jit(full_logits, static_argnums=(1,))(model.params, model.config, jnp.asarray(windows[:, :-1]))
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(windows[:, 1:, None]), -1)
+    assert float(nll.mean()) < bound < np.log(model.config.vocab_size) / 1.5
