@@ -181,6 +181,12 @@ def load_hf(directory: str, cfg: ModelConfig | None = None, dtype=jnp.float32) -
 
 def save(directory: str, cfg: ModelConfig, params) -> None:
     """Write a kimi_jax checkpoint (config + orbax params). Refuses to overwrite an existing one."""
+    write_tree(directory, params, CONFIG_FILE, cfg.to_dict())
+
+
+def write_tree(directory: str, tree, config_file: str, config: dict) -> None:
+    """orbax ``params/`` (written to a temporary directory and renamed by orbax), then the config JSON through a
+    temporary file and an atomic rename: a directory with the config file in it is always complete."""
     import orbax.checkpoint as ocp
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
@@ -188,12 +194,12 @@ def save(directory: str, cfg: ModelConfig, params) -> None:
     if os.path.exists(target):
         raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(target, params)
+        ckptr.save(target, tree)
         ckptr.wait_until_finished()
-    tmp = os.path.join(directory, CONFIG_FILE + ".tmp")
+    tmp = os.path.join(directory, config_file + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
-    os.replace(tmp, os.path.join(directory, CONFIG_FILE))
+        json.dump(config, f, indent=1)
+    os.replace(tmp, os.path.join(directory, config_file))
 
 
 def is_kimi_checkpoint(directory: str) -> bool:

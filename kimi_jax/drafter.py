@@ -329,13 +329,5 @@ def _check_shapes(params, shapes):
 
 
 def save_drafter(path: str, drafter: Drafter):
-    import orbax.checkpoint as ocp
-    path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "params"), drafter.params)
-        ckptr.wait_until_finished()
-    tmp = os.path.join(path, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(drafter.config.to_dict(), f, indent=1)
-    os.replace(tmp, os.path.join(path, CONFIG_FILE))
+    from kimi_jax.checkpoint import write_tree
+    write_tree(path, drafter.params, CONFIG_FILE, drafter.config.to_dict())
