@@ -1,0 +1,93 @@
+"""The DFlash drafter: tap formula, the public checkpoint layout, non-causal blocks."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from kimi_jax import drafter as dflash
+from kimi_jax.config import preset
+
+TARGET = preset("tiny")
+
+
+def test_fallback_tap_formula_matches_published_drafters():
+    assert dflash.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]          # Qwen3-4B/8B DFlash
+    assert dflash.build_target_layer_ids(61, 6) == [1, 12, 24, 35, 47, 58]     # Kimi-K2.5-DFlash
+    assert dflash.build_target_layer_ids(48, 5) == [1, 12, 23, 34, 45]
+    assert dflash.build_target_layer_ids(61, 1) == [30]
+
+
+def public_layout(tmp_path, taps_in_config=True):
+    """A DFlash checkpoint as z-lab publishes it: Qwen3 config + dflash_config, [out, in] safetensors."""
+    h, heads, kv, hd, inter, n = 64, 4, 2, 16, 96, 2
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": n,
+           "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
+           "vocab_size": 256, "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "block_size": 8,
+           "num_target_layers": 3,
+           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+           "dflash_config": {"mask_token_id": 250, **({"target_layer_ids": [0, 2]} if taps_in_config else {})}}
+    rng = np.random.default_rng(0)
+    w = lambda *s: rng.standard_normal(s).astype(np.float32)
+    tensors = {"fc.weight": w(h, 2 * h), "hidden_norm.weight": w(h), "norm.weight": w(h)}
+    for i in range(n):
+        p = f"layers.{i}."
+        tensors.update({p + "input_layernorm.weight": w(h), p + "post_attention_layernorm.weight": w(h),
+                        p + "self_attn.q_proj.weight": w(heads * hd, h), p + "self_attn.k_proj.weight": w(kv * hd, h),
+                        p + "self_attn.v_proj.weight": w(kv * hd, h), p + "self_attn.o_proj.weight": w(h, heads * hd),
+                        p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd),
+                        p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+                        p + "mlp.down_proj.weight": w(h, inter)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return cfg, tensors
+
+
+def test_loads_the_public_dflash_layout(tmp_path):
+    cfg, t = public_layout(tmp_path)
+    d = dflash.load_drafter(str(tmp_path), TARGET)
+    c, p = d.config, d.params
+    assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.num_key_value_heads) == (8, 250, (0, 2), 2)
+    assert c.rope_factor == 4.0 and c.rope_scale == 1.0                   # mscale 1/1: unscaled cos/sin
+    np.testing.assert_array_equal(p["fc"], t["fc.weight"].T)
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    # y = x @ W.T in torch; ours keeps heads explicit: q [d, heads, head_dim], o [heads, head_dim, d]
+    np.testing.assert_allclose(np.einsum("td,dhk->thk", x, p["layers"]["q"][1]).reshape(3, -1),
+                               x @ t["layers.1.self_attn.q_proj.weight"].T, rtol=1e-5, atol=1e-5)
+    o_in = np.random.default_rng(2).standard_normal((3, 4, 16)).astype(np.float32)
+    np.testing.assert_allclose(np.einsum("thk,hkd->td", o_in, p["layers"]["o"][0]),
+                               o_in.reshape(3, -1) @ t["layers.0.self_attn.o_proj.weight"].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(p["layers"]["down"][1], t["layers.1.mlp.down_proj.weight"].T)
+
+
+def test_tap_fallback_when_config_has_no_layer_ids(tmp_path):
+    public_layout(tmp_path, taps_in_config=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert dflash.DrafterConfig.from_hf(cfg).target_layer_ids == (1, 0)    # round(1 + i * (3 - 4) / 1)
+
+
+def test_drafter_that_does_not_fit_its_target(tmp_path):
+    public_layout(tmp_path)
+    with pytest.raises(dflash.DrafterError, match="hidden_size 64 does not match the target's 32"):
+        dflash.load_drafter(str(tmp_path), TARGET.replace(hidden_size=32))
+
+
+def test_block_is_not_causal():
+    """Changing a later block slot changes earlier slots' logits (bidirectional inside the block)."""
+    from kimi_jax.model.transformer import init_params
+    dc = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=64, vocab_size=256, block_size=4, mask_token_id=255,
+                              target_layer_ids=(0,))
+    target = init_params(TARGET, jax.random.key(0))
+    p = dflash.init_params(dc, jax.random.key(1))
+    k = v = jnp.zeros((1, 1, 4, 2, 16))
+    vis = jnp.zeros((1, 4, 4), bool)
+    full = jnp.ones((1, 4, 4), bool)
+    pos = jnp.arange(4)[None]
+    a = dflash.block_logits(p, dc, target, jnp.asarray([[5, 255, 255, 255]]), pos, k, v, vis, full)
+    b = dflash.block_logits(p, dc, target, jnp.asarray([[5, 255, 255, 7]]), pos, k, v, vis, full)
+    assert not np.allclose(a[0, 1], b[0, 1])
