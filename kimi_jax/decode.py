@@ -106,9 +106,10 @@ def main(argv=None) -> int:
     from kimi_jax.config import ConfigError
     from kimi_jax.drafter import DrafterError
     from kimi_jax.engine import GenerationError
+    from kimi_jax.partitioning import ShardingError
     try:
         return run(argv)
-    except (CheckpointError, ConfigError, DrafterError, GenerationError, OSError) as e:
+    except (CheckpointError, ConfigError, DrafterError, GenerationError, ShardingError, OSError) as e:
         print(f"kimi_jax.decode: error: {e}", file=sys.stderr)
         return 1
 

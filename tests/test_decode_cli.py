@@ -71,3 +71,7 @@ def test_prompt_longer_than_context(tmp_path):
     long_prompt = tmp_path / "p.py"
     long_prompt.write_text("x = 1\n" * 3000)
     one_line_error(decode("--prompt-file", str(long_prompt), "--max-new-tokens", "4"), "context")
+
+
+def test_mesh_larger_than_the_devices():
+    one_line_error(decode("--mesh", "ep=2", "--method", "ar", "--max-new-tokens", "4"), "needs 2 devices")
