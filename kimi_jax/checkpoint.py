@@ -5,9 +5,18 @@ Two on-disk formats:
 * an **HF checkpoint directory** (``config.json`` + ``model.safetensors`` or sharded safetensors with
   ``model.safetensors.index.json``), DeepSeek-V3 tensor names with the ``model.`` prefix (K2, K2-Thinking) or
   ``language_model.model.`` (K2.5, K2.6); vision tensors and ``rotary_emb.inv_freq`` are skipped;
-* a **kimi_jax checkpoint directory**: ``kimi_config.json`` (our ModelConfig) + ``params/`` (an orbax
-  checkpoint of the params pytree). Orbax writes into a temporary directory and renames it when complete,
-  so an interrupted save never leaves a half-written ``params/``.
+* a **kimi_jax checkpoint directory**: ``kimi_config.json`` (our ModelConfig) plus the weights in one of two
+  forms, both read by :func:`restore`:
+
+  - *stacked*: ``params/``, one orbax checkpoint of the whole params pytree (what :func:`save` writes; the
+    shipped embedded default). Reading it without shardings needs the whole model in host memory.
+  - *layered*: ``layers/layer_{i:03d}/`` (one orbax checkpoint per decoder layer: that layer's subtree without
+    the leading stack axis; INT4 experts as ``{w13, s13, w2, s2}``) + ``globals/`` (embed, final_norm,
+    lm_head). What ``python -m kimi_jax.convert`` writes: it never holds more than about one layer in host
+    memory, and :func:`restore` reads it back one layer at a time and stacks the layers on device.
+
+  Orbax writes into a temporary directory and renames it when complete, and ``kimi_config.json`` is written
+  last through an atomic rename, so a directory with ``kimi_config.json`` in it is always complete.
 
 Every tensor is checked against the shape the config implies; a mismatch names the tensor and both shapes.
 """
@@ -27,6 +36,9 @@ from kimi_jax.model.transformer import ParamSpec, abstract_params, param_specs
 
 CONFIG_FILE = "kimi_config.json"
 PARAMS_DIR = "params"
+LAYERS_DIR = "layers"
+GLOBALS_DIR = "globals"
+GLOBAL_KEYS = ("embed", "final_norm", "lm_head")
 
 
 class CheckpointError(ValueError):
@@ -219,12 +231,27 @@ def _flat(tree, is_leaf=None) -> dict:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
+def layer_dir(directory: str, i: int) -> str:
+    """Decoder layer ``i``'s orbax directory in a layered checkpoint."""
+    return os.path.join(directory, LAYERS_DIR, f"layer_{i:03d}")
+
+
+def is_layered(directory: str) -> bool:
+    return os.path.isdir(os.path.join(directory, LAYERS_DIR))
+
+
 def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None):
     """Restore params; with ``shardings`` (a pytree of jax.sharding.Sharding like the params) each device reads
-    only its shard. ``dtype`` casts the floating weights (not the float32 router bias) while reading."""
+    only its shard. ``dtype`` casts the floating weights (not the float32 router bias) while reading.
+
+    Both forms (module docstring) are read; the layered one (a ``layers/`` directory) one layer at a time: the
+    layer is restored with the stacked shardings minus their leading (layer) axis and written into its slot of
+    the stacked arrays on device, so host memory holds about one layer."""
     import orbax.checkpoint as ocp
     directory = os.path.abspath(directory)
     cfg = cfg or read_config(directory)
+    if is_layered(directory):
+        return cfg, _restore_layered(directory, cfg, shardings, dtype)
     target_dir = os.path.join(directory, PARAMS_DIR)
     if not os.path.isdir(target_dir):
         raise CheckpointError(f"{target_dir} is missing: the checkpoint is incomplete")
@@ -254,3 +281,91 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
     leaves = _flat(restored)
     treedef = jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     return cfg, jax.tree.unflatten(treedef, [leaves[k] for k in want])
+
+
+# ---- layered form ----------------------------------------------------------------------------------------
+
+def _drop_leading_axis(sharding):
+    """The sharding of one layer of a stacked array: the PartitionSpec without its first (layer) entry."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    if sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        if spec and spec[0] is not None:
+            raise CheckpointError(f"sharding {sharding.spec} splits the stacked layer axis; the layered checkpoint "
+                                  "form needs the leading axis unsharded")
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]), memory_kind=sharding.memory_kind)
+    if sharding.is_fully_replicated:  # SingleDeviceSharding, replicated GSPMD/Positional shardings
+        return sharding
+    raise CheckpointError(f"cannot derive a per-layer sharding from {type(sharding).__name__}; pass NamedShardings")
+
+
+def _restore_orbax(path: str, want: dict, shardings: dict, dtype, what: str) -> dict:
+    """One orbax directory -> {flat path: array}, checked against ``want`` ({flat path: (shape, spec dtype)})."""
+    import orbax.checkpoint as ocp
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = ckptr.metadata(path).item_metadata.tree
+        have = _flat(stored)
+        if set(want) != set(have):
+            raise CheckpointError(f"{what} ({path}) has params {sorted(set(have) ^ set(want))[:3]} that the config "
+                                  "does not imply (or lacks them); was it written for another config?")
+        for k, (shape, _) in want.items():
+            if tuple(have[k].shape) != tuple(shape):
+                raise CheckpointError(f"{what}: param {k} has shape {tuple(have[k].shape)} in the checkpoint but "
+                                      f"the config implies {tuple(shape)}")
+
+        def target(path, meta):
+            key = "/".join(str(getattr(k, "key", k)) for k in path)
+            fixed = want[key][1] is not None
+            keep = dtype is None or fixed or not jnp.issubdtype(meta.dtype, jnp.floating)
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype, sharding=shardings.get(key))
+
+        return _flat(ckptr.restore(path, jax.tree_util.tree_map_with_path(target, stored)))
+
+
+def _restore_layered(directory: str, cfg: ModelConfig, shardings, dtype) -> dict:
+    specs = param_specs(cfg)
+    is_spec = lambda x: isinstance(x, ParamSpec)  # noqa: E731
+    want = _flat(specs, is_leaf=is_spec)
+    flat_sh = _flat(shardings) if shardings is not None else {}
+    if shardings is not None and set(flat_sh) != set(want):
+        raise CheckpointError(f"shardings do not match the params tree: {sorted(set(flat_sh) ^ set(want))[:3]}")
+    out = _restore_orbax(os.path.join(directory, GLOBALS_DIR), {k: (want[k].shape, want[k].dtype) for k in GLOBAL_KEYS},
+                         {k: flat_sh[k] for k in GLOBAL_KEYS if k in flat_sh}, dtype, "globals")
+    float_dtype = jnp.dtype(dtype) if dtype is not None else out["embed"].dtype
+
+    def leaf_dtype(k, stored=None):
+        s = want[k]
+        return jnp.dtype(s.dtype) if s.dtype is not None else (stored if dtype is None and stored is not None
+                                                               else float_dtype)
+
+    for stack, first, n in (("dense_layers", 0, cfg.first_k_dense_replace),
+                            ("moe_layers", cfg.first_k_dense_replace, cfg.num_moe_layers)):
+        keys = [k for k in want if k.startswith(stack + "/")]
+        sub = {k[len(stack) + 1:]: k for k in keys}  # per-layer path -> stacked path
+        layer_want = {s: (want[k].shape[1:], want[k].dtype) for s, k in sub.items()}
+        layer_sh = {s: _drop_leading_axis(flat_sh[k]) for s, k in sub.items() if k in flat_sh}
+        out_sh = {s: flat_sh[k] for s, k in sub.items()} if flat_sh else None
+        buf = None
+        for j in range(n):
+            layer = _restore_orbax(layer_dir(directory, first + j), layer_want, layer_sh, dtype,
+                                   f"layer {first + j}")
+            if buf is None:  # the stacked arrays, allocated on device with the stacked shardings
+                shapes = {s: jax.ShapeDtypeStruct(want[k].shape, layer[s].dtype) for s, k in sub.items()}
+                buf = jax.jit(lambda: {s: jnp.zeros(v.shape, v.dtype) for s, v in shapes.items()},
+                              out_shardings=out_sh)()
+                put = jax.jit(_put_layer, donate_argnums=0, out_shardings=out_sh)
+            buf = put(buf, layer, j)
+            del layer
+        if buf is None:  # zero layers of this kind: empty stacks
+            buf = {s: jnp.zeros(want[k].shape, leaf_dtype(k)) for s, k in sub.items()}
+        out.update({k: buf[s] for s, k in sub.items()})
+    treedef = jax.tree.structure(specs, is_leaf=is_spec)
+    return jax.tree.unflatten(treedef, [out[k] for k in want])
+
+
+def _put_layer(buf: dict, layer: dict, j):
+    return {k: jax.lax.dynamic_update_index_in_dim(buf[k], layer[k].astype(buf[k].dtype), j, 0) for k in buf}

@@ -14,17 +14,16 @@ against the config; an error names the tensor (and the shard when the file itsel
 Streaming and resume. Layers are converted one at a time and each is written at once as its own orbax
 checkpoint ``OUT/.convert/layer_{i:03d}`` (orbax writes into a temporary directory and renames it, so a
 directory under its final name is complete); embedding, final norm and lm_head go to ``OUT/.convert/globals``.
-Host memory during this phase is bounded by about one layer (~9.5 GB for K2.6: 384 x 3 INT4 matrices plus the
-bf16 attention). A rerun after a crash or kill skips every layer whose directory exists, so the final result is
+Host memory is bounded by about one layer throughout (~9.5 GB for K2.6: 384 x 3 INT4 matrices plus the bf16
+attention). A rerun after a crash or kill skips every layer whose directory exists, so the final result is
 identical to an uninterrupted run.
 
-Limitation (honest): the final step assembles all layers into one stacked params tree and writes it with
-:func:`kimi_jax.checkpoint.save` (``OUT/kimi_config.json`` + ``OUT/params``), which needs the whole model in host
-memory: fine for test and medium models, but for the real 595 GB K2.6 it needs a host with > 600 GB of RAM.
-On smaller hosts pass ``assemble=False`` (CLI ``--no-assemble``): the per-layer directories under
-``OUT/.convert`` are then the scalable form of the converted checkpoint (each is a plain orbax checkpoint of one
-layer's tree, restorable with per-device shardings); stacking them on device is left to the loader.
-``.convert`` is deleted only after the final save succeeded.
+Output: the *layered* kimi_jax checkpoint form (:mod:`kimi_jax.checkpoint`): when every layer is done, the
+per-layer directories are moved (atomic renames, no copy, nothing read back) to ``OUT/layers/layer_{i:03d}`` and
+``OUT/globals``, then ``OUT/kimi_config.json`` is written last (atomically), so a directory with
+``kimi_config.json`` is complete; ``.convert`` is then removed. A kill during the moves resumes too (a layer is
+done when it is in either place). :func:`kimi_jax.checkpoint.restore` reads the layered form one layer at a time
+(with per-device shardings) and stacks the layers on device: no step needs the whole model in host memory.
 
 Export (:func:`export_hf`) writes params back as an HF checkpoint: ``config.json`` (deepseek_v3 fields, or the
 kimi_k25 wrapper, plus ``quantization_config`` when INT4) and ``model.safetensors`` (or shards + index above
@@ -52,7 +51,7 @@ import numpy as np
 from kimi_jax import checkpoint as ckpt
 from kimi_jax.checkpoint import CheckpointError, SafetensorsReader
 from kimi_jax.config import ConfigError, ModelConfig
-from kimi_jax.model.transformer import ParamSpec, param_specs
+from kimi_jax.model.transformer import param_specs
 from kimi_jax.quant import GROUP_SIZE, Int4Experts, quantize_int4
 
 WORK_DIR = ".convert"
@@ -133,32 +132,29 @@ def _float_tensor(src: _Counter, name: str, convert, want_shape, dtype) -> np.nd
     return np.ascontiguousarray(w.astype(dtype))
 
 
-def _expert_triplets(src: _Counter, cfg: ModelConfig, i: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
+def _expert_triplet(src: _Counter, cfg: ModelConfig, i: int, e: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
+    """Expert e's (weight_packed, weight_scale), checked (with weight_shape) against the config."""
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
     n, k = (d, f) if proj == "down" else (f, d)
-    packed, scales = [], []
-    for e in range(cfg.n_routed_experts):
-        base = ckpt._expert_name(cfg, i, e, proj)
-        full = src.reader.prefix + base
-        p = src.get(base + ".weight_packed")
-        s = src.get(base + ".weight_scale")
-        shp = src.get(base + ".weight_shape")
-        if p.dtype != np.int32:
-            raise CheckpointError(f"tensor {full}.weight_packed has dtype {p.dtype}; expected int32")
-        if p.shape != (n, -(-k // 8)):
-            raise CheckpointError(f"tensor {full}.weight_packed has shape {p.shape}; the config implies "
-                                  f"{(n, -(-k // 8))}")
-        if s.dtype != BF16:
-            raise CheckpointError(f"tensor {full}.weight_scale has dtype {s.dtype}; expected bfloat16")
-        if s.shape != (n, k // GROUP_SIZE):
-            raise CheckpointError(f"tensor {full}.weight_scale has shape {s.shape}; the config implies "
-                                  f"{(n, k // GROUP_SIZE)}")
-        if shp.dtype not in (np.int32, np.int64) or tuple(int(x) for x in shp.reshape(-1)) != (n, k):
-            raise CheckpointError(f"tensor {full}.weight_shape is {shp.tolist()} ({shp.dtype}); expected int32/int64 "
-                                  f"{[n, k]}, the logical shape the config implies")
-        packed.append(p)
-        scales.append(s)
-    return np.stack(packed), np.stack(scales)
+    base = ckpt._expert_name(cfg, i, e, proj)
+    full = src.reader.prefix + base
+    p = src.get(base + ".weight_packed")
+    s = src.get(base + ".weight_scale")
+    shp = src.get(base + ".weight_shape")
+    if p.dtype != np.int32:
+        raise CheckpointError(f"tensor {full}.weight_packed has dtype {p.dtype}; expected int32")
+    if p.shape != (n, -(-k // 8)):
+        raise CheckpointError(f"tensor {full}.weight_packed has shape {p.shape}; the config implies "
+                              f"{(n, -(-k // 8))}")
+    if s.dtype != BF16:
+        raise CheckpointError(f"tensor {full}.weight_scale has dtype {s.dtype}; expected bfloat16")
+    if s.shape != (n, k // GROUP_SIZE):
+        raise CheckpointError(f"tensor {full}.weight_scale has shape {s.shape}; the config implies "
+                              f"{(n, k // GROUP_SIZE)}")
+    if shp.dtype not in (np.int32, np.int64) or tuple(int(x) for x in shp.reshape(-1)) != (n, k):
+        raise CheckpointError(f"tensor {full}.weight_shape is {shp.tolist()} ({shp.dtype}); expected int32/int64 "
+                              f"{[n, k]}, the logical shape the config implies")
+    return p, s
 
 
 def _experts_int4(src: _Counter, cfg: ModelConfig, i: int, q: dict | None) -> bool:
@@ -206,14 +202,24 @@ def read_layer(src: _Counter, cfg: ModelConfig, i: int, q: dict | None, dtype) -
         node[last] = w
     if moe:
         if cfg.int4_experts:
-            arrays = []
-            for proj in ("gate", "up", "down"):
-                arrays += _expert_triplets(src, cfg, i, proj)
-            try:
-                ex = Int4Experts.from_compressed_tensors(*arrays)
-            except (ValueError, TypeError) as e:
-                raise CheckpointError(f"layer {i} routed experts: {e}") from e
-            out["moe"]["experts"] = {"w13": ex.w13, "s13": ex.s13, "w2": ex.w2, "s2": ex.s2}
+            # Repacked one expert at a time into preallocated stacked arrays: the unpacked nibbles of all experts
+            # at once would be several times the layer's size.
+            ex: dict = {}
+            for e in range(cfg.n_routed_experts):
+                arrays = []
+                for proj in ("gate", "up", "down"):
+                    arrays += _expert_triplet(src, cfg, i, e, proj)
+                try:
+                    one = Int4Experts.from_compressed_tensors(*arrays)
+                except (ValueError, TypeError) as err:
+                    raise CheckpointError(f"layer {i} routed expert {e}: {err}") from err
+                for fld in ("w13", "s13", "w2", "s2"):
+                    a = np.asarray(getattr(one, fld))
+                    if fld not in ex:
+                        ex[fld] = np.empty((cfg.n_routed_experts, *a.shape), a.dtype)
+                    ex[fld][e] = a
+                del arrays, one
+            out["moe"]["experts"] = ex
         else:
             exp = {}
             for proj in ("gate", "up", "down"):
@@ -257,39 +263,10 @@ def _clean_tmp(work: str) -> None:
             shutil.rmtree(os.path.join(work, name), ignore_errors=True)
 
 
-def assemble(cfg: ModelConfig, work: str) -> dict:
-    """Read ``.convert`` back into one stacked params tree (host memory: the whole model)."""
-    glob = _restore_tree(os.path.join(work, "globals"))
-    dense = [_restore_tree(os.path.join(work, f"layer_{i:03d}")) for i in range(cfg.first_k_dense_replace)]
-    moe = [_restore_tree(os.path.join(work, f"layer_{i:03d}"))
-           for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
-    specs = param_specs(cfg)
-    params = {**glob}
-    for stack, layers in (("dense_layers", dense), ("moe_layers", moe)):
-        if layers:
-            params[stack] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
-        else:  # zero layers of this kind: empty stacks with the right shapes
-            params[stack] = jax.tree.map(lambda s: np.zeros(s.shape, np.dtype(s.dtype or glob["embed"].dtype)),
-                                         specs[stack], is_leaf=lambda x: isinstance(x, ParamSpec))
-    ex = params["moe_layers"]["moe"]["experts"]
-    if cfg.int4_experts and isinstance(ex, dict):
-        params["moe_layers"]["moe"]["experts"] = Int4Experts(**ex)
-    # check the assembled tree against the config once more (shapes, dtypes of the fixed-dtype leaves)
-    want = ckpt._flat(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    have = ckpt._flat(params)
-    if set(want) != set(have):
-        raise CheckpointError(f"assembled params differ from the config: {sorted(set(want) ^ set(have))[:4]}")
-    for k, s in want.items():
-        if tuple(have[k].shape) != tuple(s.shape):
-            raise CheckpointError(f"assembled {k} has shape {have[k].shape}, config implies {s.shape}")
-    return params
-
-
 # ---- convert ---------------------------------------------------------------------------------------------
 
-def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloat16, assemble_final: bool = True,
-               on_layer_written=None) -> dict:
-    """Convert an HF K2.x checkpoint directory into a kimi_jax checkpoint at ``out_dir``; resumable.
+def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloat16, on_layer_written=None) -> dict:
+    """Convert an HF K2.x checkpoint directory into a layered kimi_jax checkpoint at ``out_dir``; resumable.
 
     ``dtype`` is the storage dtype of the non-expert float weights (bfloat16 or float32; the router bias stays
     float32). ``on_layer_written(i)`` is called after layer i's directory is complete (tests use it to simulate a
@@ -338,7 +315,7 @@ def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloa
         bar = tqdm(total=cfg.num_hidden_layers + 1, desc="convert", unit="layer", file=sys.stderr)
     for i in layers:
         target = os.path.join(work, f"layer_{i:03d}")
-        if os.path.isdir(target):
+        if os.path.isdir(target) or os.path.isdir(ckpt.layer_dir(out_dir, i)):  # done (maybe already moved)
             skipped += 1
         else:
             tree = read_layer(src, cfg, i, q, dtype)
@@ -350,24 +327,38 @@ def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloa
         if bar is not None:
             bar.update(1)
             bar.set_postfix(MBps=f"{src.bytes / 1e6 / max(time.perf_counter() - t0, 1e-9):.1f}")
-    target = os.path.join(work, "globals")
-    if not os.path.isdir(target):
+    target = os.path.join(work, ckpt.GLOBALS_DIR)
+    if not os.path.isdir(target) and not os.path.isdir(os.path.join(out_dir, ckpt.GLOBALS_DIR)):
         _save_tree(target, read_globals(src, cfg, dtype))
     if bar is not None:
         bar.update(1)
         bar.close()
 
-    if assemble_final:
-        params = assemble(cfg, work)
-        params_dir = os.path.join(out_dir, ckpt.PARAMS_DIR)
-        if os.path.isdir(params_dir):  # complete (orbax renames atomically) but the config was never written
-            shutil.rmtree(params_dir)
-        ckpt.save(out_dir, cfg, params)
-        del params
-        shutil.rmtree(work)
+    finalize(cfg, out_dir)
     dt = time.perf_counter() - t0
     return {"bytes": src.bytes, "seconds": dt, "mb_per_s": src.bytes / 1e6 / max(dt, 1e-9),
             "peak_rss_mib": _peak_rss_mib(), "converted": converted, "skipped": skipped, "config": cfg}
+
+
+def finalize(cfg: ModelConfig, out_dir: str) -> None:
+    """``.convert`` -> the layered checkpoint: atomic directory renames, then ``kimi_config.json`` (atomic),
+    then ``.convert`` is removed. Nothing is read back; safe to rerun after a kill at any point."""
+    work = os.path.join(out_dir, WORK_DIR)
+    os.makedirs(os.path.join(out_dir, ckpt.LAYERS_DIR), exist_ok=True)
+    moves = [(os.path.join(work, f"layer_{i:03d}"), ckpt.layer_dir(out_dir, i)) for i in range(cfg.num_hidden_layers)]
+    moves.append((os.path.join(work, ckpt.GLOBALS_DIR), os.path.join(out_dir, ckpt.GLOBALS_DIR)))
+    for src, dst in moves:
+        if os.path.isdir(src):
+            if os.path.exists(dst):
+                raise CheckpointError(f"{dst} already exists; remove it (or {out_dir}) to convert again")
+            os.rename(src, dst)
+        elif not os.path.isdir(dst):
+            raise CheckpointError(f"{src} is missing; the conversion is incomplete")
+    tmp = os.path.join(out_dir, ckpt.CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, ckpt.CONFIG_FILE))
+    shutil.rmtree(work)
 
 
 def _peak_rss_mib() -> float:
@@ -557,12 +548,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output kimi_jax checkpoint directory")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="storage dtype of the non-expert weights")
-    p.add_argument("--no-assemble", action="store_true",
-                   help="stop after the per-layer directories (OUT/.convert); see the module docstring")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     try:
-        stats = convert_hf(a.hf, a.out, progress=not a.quiet, dtype=a.dtype, assemble_final=not a.no_assemble)
+        stats = convert_hf(a.hf, a.out, progress=not a.quiet, dtype=a.dtype)
     except (CheckpointError, ConfigError, OSError, ValueError) as e:
         msg = " ".join(str(e).split())
         print(f"kimi_jax.convert: error: {msg}", file=sys.stderr)

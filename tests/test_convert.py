@@ -99,6 +99,9 @@ def test_convert_logits_match_dequantised_reference(k26, converted):
     assert rel < 1e-3, rel
     assert stats["converted"] == 3 and stats["bytes"] > 0 and stats["peak_rss_mib"] > 0
     assert not os.path.exists(os.path.join(out, convert.WORK_DIR))
+    # the layered form: one orbax directory per decoder layer + globals, no stacked params/
+    assert sorted(os.listdir(out)) == ["globals", "kimi_config.json", "layers"]
+    assert sorted(os.listdir(os.path.join(out, "layers"))) == ["layer_000", "layer_001", "layer_002"]
 
 
 class _Killed(RuntimeError):
@@ -242,3 +245,43 @@ def test_sharded_restore(converted):
     want = full_logits(single, cfg, TOKENS)
     got = jax.jit(lambda p, t: full_logits(p, cfg, t))(sharded, TOKENS)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_layered_equals_stacked(converted, tmp_path):
+    """The layered form restores to exactly the params the stacked (params/) form of the same weights does."""
+    out, _ = converted
+    cfg, params = checkpoint.restore(out)
+    stacked = str(tmp_path / "stacked")
+    checkpoint.save(stacked, cfg, params)
+    a = checkpoint._flat(checkpoint.restore(stacked)[1])
+    b = checkpoint._flat(params)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
+
+
+def test_killed_during_finalize_resumes(k26, converted, tmp_path, monkeypatch):
+    """A kill between the atomic moves (some layers in layers/, the rest in .convert) resumes and completes."""
+    out = str(tmp_path / "ckpt")
+    real_rename, n = os.rename, {"moves": 0}
+
+    def rename_then_die(src, dst):  # orbax renames inside .convert too: count only the final moves
+        if convert.WORK_DIR not in os.fspath(dst):
+            if n["moves"] == 2:
+                raise _Killed
+            n["moves"] += 1
+        real_rename(src, dst)
+
+    monkeypatch.setattr(convert.os, "rename", rename_then_die)
+    with pytest.raises(_Killed):
+        convert.convert_hf(k26["dir"], out, progress=False)
+    monkeypatch.setattr(convert.os, "rename", real_rename)
+    assert not checkpoint.is_kimi_checkpoint(out)
+    assert os.listdir(os.path.join(out, "layers")) and os.listdir(os.path.join(out, convert.WORK_DIR))
+    stats = convert.convert_hf(k26["dir"], out, progress=False)
+    assert (stats["converted"], stats["skipped"]) == (0, 3)
+    a = checkpoint._flat(checkpoint.restore(out)[1])
+    b = checkpoint._flat(checkpoint.restore(converted[0])[1])
+    for k in b:
+        np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
