@@ -107,13 +107,12 @@ class Model:
             raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.budget + 1} "
                                   f"tree tokens in the context of {context}; shorten it or lower the budget")
         need = longest + max_new + spec.budget + 1
-        if need > self.config.max_position_embeddings:
+        if need > context:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.budget + 1}) = {need} "
-                f"exceeds the context of {self.config.max_position_embeddings}; shorten the prompt or "
-                "lower max_new_tokens")
-        t = min(_bucket(longest), self.config.max_position_embeddings)
-        max_len = min(_bucket(need, 64), self.config.max_position_embeddings)
+                f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
+        t = min(_bucket(longest), context)
+        max_len = min(_bucket(need, 64), context)
         prompt = np.zeros((len(rows), t), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
@@ -135,22 +134,25 @@ class Model:
         return (self.params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
-    def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
-                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
-        """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call."""
+    def _prepare(self, prompt, max_new_tokens, method, budget, temperature, block_size):
+        """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
         if max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         spec = self._spec(method, budget, temperature, block_size)
-        rows = self.encode(prompt)
-        prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
+        return (spec, *self._layout(self.encode(prompt), max_new_tokens, spec))
+
+    def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
+                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
+        """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call."""
+        spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
+                                                        block_size)
         program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
         t0 = time.perf_counter()
         state, nan = program(*self._args(prompt_arr, lens, temperature, seed))
         n_out, out, accepted, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.rounds))
         elapsed = time.perf_counter() - t0
-        if nan:
-            raise GenerationError("the model produced NaN logits; check the weights and dtype")
+        _check_finite(nan)
         return self._result(out, n_out, accepted, int(rounds), elapsed, compile_s, dispatches=1)
 
     def _result(self, out, n_out, accepted, rounds, elapsed, compile_s, dispatches) -> Generation:
@@ -169,18 +171,17 @@ class Model:
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
-        method = method or ("ddtree" if self.drafter is not None else "ar")
-        spec = self._spec(method, budget, temperature, block_size)
-        rows = self.encode(prompt)
-        prompt_arr, lens, max_len = self._layout(rows, max_new_tokens, spec)
+        spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
+                                                        block_size)
+        rows = len(lens)
         t0 = time.perf_counter()
         args = self._args(prompt_arr, lens, temperature, seed)
         with partitioning.use(self.mesh):
             state, nan = engine.prefill_program(*args, spec=spec, max_new=max_new_tokens, max_len=max_len)
-        dispatches, seen = 1, np.zeros(len(rows), np.int64)
+        dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
-            chunk = [out[i, seen[i]:n_out[i]].tolist() for i in range(len(rows))]
+            chunk = [out[i, seen[i]:n_out[i]].tolist() for i in range(rows)]
             seen = n_out.copy()
             if any(chunk):
                 yield chunk
@@ -190,10 +191,14 @@ class Model:
                 state, bad = engine.chunk_program(self.params, args[1], state, spec=spec, rounds=rounds_per_dispatch)
             nan = nan | bad
             dispatches += 1
-        if bool(nan):
-            raise GenerationError("the model produced NaN logits; check the weights and dtype")
+        _check_finite(nan)
         accepted, rounds = jax.device_get((state.accepted, state.rounds))
         yield self._result(out, n_out, accepted, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
+
+
+def _check_finite(nan_flag):
+    if bool(nan_flag):
+        raise GenerationError("the model produced NaN logits; check the weights and dtype")
 
 
 _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form",))
