@@ -67,6 +67,11 @@ class SafetensorsReader:
         self._safe_open = safe_open
         self.prefix = "language_model." if any(k.startswith("language_model.") for k in self.files) else ""
 
+    def close(self) -> None:
+        """Drop the open shards (memory maps): pages read from a mapped shard count in the process's RSS while it
+        stays open. A later get() reopens the shard; arrays already returned are copies and stay valid."""
+        self._open.clear()
+
     def has(self, name: str) -> bool:
         return self.prefix + name in self.files
 

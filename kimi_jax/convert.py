@@ -35,6 +35,7 @@ gives a checkpoint that transformers' ``DeepseekV3ForCausalLM`` loads.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -108,13 +109,37 @@ def is_ignored(module: str, ignore: list[str]) -> bool:
 # ---- reading one layer -----------------------------------------------------------------------------------
 
 class _Counter:
+    """Counts bytes read, and closes the reader's shards every ``RELEASE_BYTES`` (see SafetensorsReader.close):
+    keeping every shard mapped would grow RSS by the whole checkpoint."""
+
+    RELEASE_BYTES = 256 << 20
+
     def __init__(self, reader: SafetensorsReader):
-        self.reader, self.bytes = reader, 0
+        self.reader, self.bytes, self._mapped = reader, 0, 0
 
     def get(self, name: str) -> np.ndarray:
         a = self.reader.get(name)
         self.bytes += a.nbytes
+        self._mapped += a.nbytes
+        if self._mapped >= self.RELEASE_BYTES:
+            self.release()
         return a
+
+    def release(self) -> None:
+        self.reader.close()
+        self._mapped = 0
+
+
+def _release_memory(src: _Counter) -> None:
+    """Between layers: unmap the shards, collect, and hand freed heap back to the OS (glibc), so the next layer
+    starts from the baseline instead of on top of the previous one's freed-but-kept pages."""
+    src.release()
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _float_tensor(src: _Counter, name: str, convert, want_shape, dtype) -> np.ndarray:
@@ -129,7 +154,7 @@ def _float_tensor(src: _Counter, name: str, convert, want_shape, dtype) -> np.nd
         raise CheckpointError(f"tensor {full!r} has shape {tuple(a.shape)} (HF layout) which does not match the "
                               f"config (our layout {tuple(want_shape)}); the checkpoint and config.json disagree"
                               ) from None
-    return np.ascontiguousarray(w.astype(dtype))
+    return np.ascontiguousarray(w, dtype=dtype)  # one copy (none when already contiguous in that dtype)
 
 
 def _expert_triplet(src: _Counter, cfg: ModelConfig, i: int, e: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +346,7 @@ def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloa
             tree = read_layer(src, cfg, i, q, dtype)
             _save_tree(target, tree)
             del tree
+            _release_memory(src)
             converted += 1
             if on_layer_written is not None:
                 on_layer_written(i)
@@ -330,6 +356,7 @@ def convert_hf(hf_dir: str, out_dir: str, progress: bool = True, dtype=jnp.bfloa
     target = os.path.join(work, ckpt.GLOBALS_DIR)
     if not os.path.isdir(target) and not os.path.isdir(os.path.join(out_dir, ckpt.GLOBALS_DIR)):
         _save_tree(target, read_globals(src, cfg, dtype))
+        _release_memory(src)
     if bar is not None:
         bar.update(1)
         bar.close()
