@@ -17,7 +17,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = ROOT / "checkpoints" / "target"
 DEFAULT_DRAFTER = ROOT / "checkpoints" / "drafter"
-DEFAULT_PROMPT = 'def read_config(path):\n    """Read a JSON config file and return it as a dict."""\n'
+DEFAULT_PROMPT = ('class Queue:\n    """A first-in, first-out queue."""\n\n    def __init__(self):\n        self.items = []\n\n'
+                  '    def put(self, item):\n')
 
 
 class _Parser(argparse.ArgumentParser):
