@@ -348,10 +348,8 @@ def _local_routed(x, ids, weights, experts, cfg: ModelConfig, ep_axes, mesh):
         ids = jnp.where(local, ids - lo, 0)
         weights = jnp.where(local, weights, 0.0)
     if isinstance(experts, dict):
-        gate, up, down = experts["gate"][ids], experts["up"][ids], experts["down"][ids]
-        h = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", x, gate)) * jnp.einsum("nd,nkdf->nkf", x, up)
-        y = jnp.einsum("nkf,nkfd->nkd", h, down)
-        return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
+        from kimi_jax.model.moe import float_routed_experts
+        return float_routed_experts(x, ids, weights, experts)
     from kimi_jax.pallas.int4_moe import int4_moe
     return int4_moe(x, ids, weights, experts, impl=cfg.moe_impl)
 

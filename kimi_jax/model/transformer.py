@@ -106,6 +106,33 @@ def dequantize_experts(params, cfg: ModelConfig):
     return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}, cfg.replace(int4_experts=False)
 
 
+# The XLA path's INT4 experts are expanded once per loaded model when the float copy stays below this.
+FLOAT_EXPERTS_MAX_BYTES = 1 << 30
+
+
+def compute_params(params, cfg: ModelConfig):
+    """The weights the generation programs compute with (made once per loaded model by kimi_jax.api).
+
+    On the XLA MoE path INT4 experts are unpacked inside every forward, once per touched expert: on a CPU that
+    unpacking, not the matmuls, was most of a decode step. When the float copy is small (the embedded default:
+    4.7 MB) it is made once, with exactly the INT4 values, so the programs only multiply; with few experts per
+    choice it is laid out for the dense form (``moe.DenseExperts``). The Pallas path (GPU) keeps streaming INT4,
+    and large models keep the per-expert unpacking.
+    """
+    from kimi_jax.model.moe import to_compute_layout
+    if not cfg.int4_experts or cfg.moe_impl != "xla" or not cfg.num_moe_layers:
+        return params
+    experts = params["moe_layers"]["moe"]["experts"]
+    n_values = (experts.w13.size + experts.w2.size) * 8
+    if n_values * jnp.dtype(params["embed"].dtype).itemsize > FLOAT_EXPERTS_MAX_BYTES:
+        return params
+    dtype = params["embed"].dtype
+    floats = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))(
+        jax.tree.map(jnp.asarray, experts))
+    moe = {**params["moe_layers"]["moe"], "experts": floats}
+    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}
+
+
 def param_specs(cfg: ModelConfig) -> dict:
     d, v = cfg.hidden_size, cfg.vocab_size
     return {
