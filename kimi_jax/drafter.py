@@ -201,7 +201,18 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
 
 
 def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask):
-    """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab].
+    """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab]."""
+    x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask)
+    return readout(x, target_params)
+
+
+def readout(x, target_params):
+    """Draft logits through the target's lm_head, float32."""
+    return jnp.einsum("btd,dv->btv", x, target_params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask):
+    """The drafter's final-normed hidden state of every block slot [b, t, d].
 
     block [b, t] tokens at RoPE positions [b, t]; ctx_k/ctx_v [layers, b, s, kv_heads, head_dim];
     ctx_visible [b, t, s] which context rows each block slot sees; block_mask [b, t, t] which block slots it
@@ -230,12 +241,14 @@ def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
 
     x, _ = jax.lax.scan(layer, x, (p["layers"], ctx_k, ctx_v))
-    x = rms_norm(x, p["norm"], c.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", x, target_params["lm_head"], preferred_element_type=jnp.float32)
+    return rms_norm(x, p["norm"], c.rms_norm_eps)
 
 
-def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int):
-    """Per-position draft logits [b, block_size - 1, vocab] for the tokens after each row's bonus."""
+def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int,
+          depth: int | None = None):
+    """Per-position draft logits [b, depth, vocab] for the tokens after each row's bonus (depth defaults to
+    block_size - 1). The block always runs whole (it is not causal); only the `depth` slots a tree of the
+    caller's budget can reach go through the lm_head, the drafter's largest matmul."""
     b = bonus.shape[0]
     block = jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), c.mask_token_id, jnp.int32)], axis=1)
     positions = lengths[:, None] + jnp.arange(block_size)[None, :]
@@ -243,8 +256,8 @@ def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, length
     ctx_visible = jnp.broadcast_to((jnp.arange(slots)[None, :] < lengths[:, None])[:, None, :],
                                    (b, block_size, slots))
     block_mask = jnp.ones((b, block_size, block_size), bool)
-    logits = block_logits(p, c, target_params, block, positions, cache.k, cache.v, ctx_visible, block_mask)
-    return logits[:, 1:]
+    x = block_hidden(p, c, target_params, block, positions, cache.k, cache.v, ctx_visible, block_mask)
+    return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], target_params)
 
 
 def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, taps, path, path_len, lengths):
