@@ -24,7 +24,7 @@ import numpy as np
 from kimi_jax import checkpoint, engine, partitioning
 from kimi_jax.config import ModelConfig
 from kimi_jax.engine import GenerationError
-from kimi_jax.model.transformer import full_logits
+from kimi_jax.model.transformer import compute_params, full_logits
 
 
 @dataclasses.dataclass
@@ -47,6 +47,15 @@ class Model:
         self.drafter = drafter            # kimi_jax.drafter.Drafter or None
         self.mesh = mesh
         self._programs = {}
+        self._costs = {}
+        self._compute_params = None
+
+    @property
+    def compute_params(self):
+        """The weights the generation programs run on (``transformer.compute_params``), made once."""
+        if self._compute_params is None:
+            self._compute_params = self.params if self.mesh is not None else compute_params(self.params, self.config)
+        return self._compute_params
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[list[int]]:
@@ -82,8 +91,10 @@ class Model:
     def _spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
         if method not in engine.METHODS:
             raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
-        if budget is not None and budget < 0:
-            raise GenerationError(f"budget must be >= 0, got {budget}")
+        if budget == "auto":
+            budget = None if method == "ddtree" else budget
+        elif budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 0):
+            raise GenerationError(f"budget must be 'auto' or an integer >= 0, got {budget!r}")
         if temperature < 0 or not np.isfinite(temperature):
             raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
         if method == "ar":
@@ -96,8 +107,9 @@ class Model:
                                   "(or is below 2)")
         if method == "dflash":
             budget = block - 1
-        elif budget is None:
-            budget = 2 * (block - 1)
+        elif budget is None:          # ddtree's default: the cost-model policy over engine.AUTO_WIDTHS
+            widths = engine.AUTO_WIDTHS
+            return engine.Spec(self.config, method, max(widths), temperature > 0, self.drafter.config, block, widths)
         return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block)
 
     def _layout(self, rows, max_new, spec):
@@ -122,17 +134,45 @@ class Model:
         key = (spec, prompt.shape, max_new, max_len)
         if key not in self._programs:
             t0 = time.perf_counter()
-            args = self._args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0)
+            costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
+            args = self._args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
             with partitioning.use(self.mesh):
                 lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
 
-    def _args(self, prompt, lens, temperature, seed):
+    def _args(self, prompt, lens, temperature, seed, costs=None, force=-1, max_rounds=None):
         dparams = None if self.drafter is None else self.drafter.params
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
-        return (self.params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
-                np.float32(max(temperature, 1e-6)), np.uint32(seed))
+        return (self.compute_params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
+                np.float32(max(temperature, 1e-6)), np.uint32(seed), costs, np.int32(force),
+                np.int32(2 ** 30 if max_rounds is None else max_rounds))
+
+    def cost_table(self, spec, prompt, lens, max_new, max_len) -> np.ndarray:
+        """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
+        backend (kimi_jax.costs): from memory, the disk cache, or measured now with the generation program."""
+        from kimi_jax import costs
+        key = costs.table_key(spec, prompt.shape[0], max_len)
+        if key not in self._costs:
+            table = costs.load(key)
+            if table is None or table.shape[1] != len(spec.widths):
+                program, _ = self._program(spec, prompt, max_new, max_len)
+                ones = np.ones((2, len(spec.widths)), np.float32)
+
+                def run(force, limit):
+                    state, _ = program(*self._args(prompt, lens, 0.0, 0, ones, force, limit))
+                    rounds, outlook = jax.device_get((state.rounds, state.outlook))
+                    return int(rounds), outlook / prompt.shape[0]
+
+                table = costs.measure(run, len(spec.widths))
+                costs.save(key, table, spec.widths)
+            self._costs[key] = table
+        return self._costs[key]
+
+    def _costs_arg(self, spec, prompt, lens, max_new, max_len):
+        if not spec.widths:
+            return None
+        return np.asarray(self.cost_table(spec, prompt, lens, max_new, max_len), np.float32)
 
     def _prepare(self, prompt, max_new_tokens, method, budget, temperature, block_size):
         """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
@@ -148,19 +188,21 @@ class Model:
         spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
                                                         block_size)
         program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
+        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
         t0 = time.perf_counter()
-        state, nan = program(*self._args(prompt_arr, lens, temperature, seed))
-        n_out, out, accepted, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.rounds))
+        state, nan = program(*self._args(prompt_arr, lens, temperature, seed, costs))
+        n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.width,
+                                                              state.rounds))
         elapsed = time.perf_counter() - t0
         _check_finite(nan)
-        return self._result(out, n_out, accepted, int(rounds), elapsed, compile_s, dispatches=1)
+        return self._result(out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1)
 
-    def _result(self, out, n_out, accepted, rounds, elapsed, compile_s, dispatches) -> Generation:
+    def _result(self, out, n_out, accepted, width, rounds, elapsed, compile_s, dispatches) -> Generation:
         tokens = [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
         taus = [a[a > 0].tolist() for a in accepted]
         all_taus = [t for row in taus for t in row]
         new = int(sum(map(len, tokens)))
-        stats = dict(new_tokens=new, rounds=rounds, tau_per_round=taus,
+        stats = dict(new_tokens=new, rounds=rounds, tau_per_round=taus, width_per_round=width[width >= 0].tolist(),
                      mean_tau=float(np.mean(all_taus)) if all_taus else 0.0, seconds=elapsed,
                      tokens_per_s=new / elapsed if elapsed > 0 else float("inf"), compile_s=compile_s,
                      dispatches=dispatches)
@@ -175,9 +217,10 @@ class Model:
                                                         block_size)
         rows = len(lens)
         t0 = time.perf_counter()
-        args = self._args(prompt_arr, lens, temperature, seed)
+        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
+        args = self._args(prompt_arr, lens, temperature, seed)[:6]
         with partitioning.use(self.mesh):
-            state, nan = engine.prefill_program(*args, spec=spec, max_new=max_new_tokens, max_len=max_len)
+            state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=max_len)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
@@ -188,12 +231,13 @@ class Model:
             if done.all() or bool(nan):
                 break
             with partitioning.use(self.mesh):
-                state, bad = engine.chunk_program(self.params, args[1], state, spec=spec, rounds=rounds_per_dispatch)
+                state, bad = engine.chunk_program(args[0], args[1], state, costs, spec=spec,
+                                                  rounds=rounds_per_dispatch)
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)
-        accepted, rounds = jax.device_get((state.accepted, state.rounds))
-        yield self._result(out, n_out, accepted, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
+        accepted, width, rounds = jax.device_get((state.accepted, state.width, state.rounds))
+        yield self._result(out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
 
 
 def _check_finite(nan_flag):

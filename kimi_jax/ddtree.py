@@ -205,6 +205,15 @@ def chain_tree(root: jax.Array, draft_tokens: jax.Array) -> Tree:
     )
 
 
+def truncate(tree: Tree, width: int) -> Tree:
+    """The root and the first `width` nodes of a best-first tree: the best tree of that many nodes.
+
+    The best-first order lists every parent before its children (a parent never scores below its child and
+    sorts first on ties), so any prefix of it is itself a prefix-closed tree whose parent indices stay inside.
+    """
+    return Tree(*(a[:, :1 + width] for a in tree))
+
+
 def ancestor_mask(tree: Tree) -> jax.Array:
     """vis [B, 1+N, 1+N]: vis[b, i, j] <=> j is i or an ancestor of i. Padding slots see only themselves.
 

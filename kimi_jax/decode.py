@@ -35,7 +35,9 @@ def _parse(argv):
     p.add_argument("--checkpoint", default=str(DEFAULT_TARGET), help="target checkpoint directory")
     p.add_argument("--drafter", default=None, help="drafter directory ('none' for AR only)")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None)
-    p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default 2 x (block - 1))")
+    p.add_argument("--budget", default="auto",
+                   help="DDTree node budget: 'auto' (default: the width that maximises expected tokens per second "
+                        "under costs calibrated on this machine, chosen every round) or a number of nodes")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -45,16 +47,23 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.budget is not None and args.budget < 0:
-        p.error(f"--budget must be >= 0, got {args.budget}")
+    if args.budget != "auto":
+        try:
+            args.budget = int(args.budget)
+        except ValueError:
+            p.error(f"--budget must be 'auto' or an integer >= 0, got {args.budget!r}")
+        if args.budget < 0:
+            p.error(f"--budget must be >= 0, got {args.budget}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     return args
 
 
 def _stats_line(stats) -> str:
+    widths = stats.get("width_per_round") or []
+    shown = "" if not widths else ", widths " + " ".join(f"{w}x{widths.count(w)}" for w in sorted(set(widths)))
     return (f"[{stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s, mean tau "
-            f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds, {stats['dispatches']} dispatches]")
+            f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds{shown}, {stats['dispatches']} dispatches]")
 
 
 def run(argv=None) -> int:

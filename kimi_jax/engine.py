@@ -1,17 +1,23 @@
 """The generation programs: prefill, the jitted round of each method, and the on-device multi-round loop.
 
-Every method is the same round — draft, build tree, verify, accept, commit — with a different proposal:
+Every method is the same round, written as five named steps:
+
+    draft -> build_tree -> verify -> accept -> commit
 
 * ``ar``:     no drafter; the tree is the root alone, so a round is one ordinary decode step;
 * ``dflash``: the DFlash drafter's argmax block as a single path (chain verification);
-* ``ddtree``: the best-first tree of the ``budget`` most probable prefixes under the drafter's marginals.
+* ``ddtree``: the best-first tree of the most probable prefixes under the drafter's marginals. With a fixed
+  ``budget`` the tree has that many nodes; with ``widths`` (the ``budget="auto"`` policy) the tree is built once
+  at the largest width and every round verifies the prefix of its best-first order that maximises expected
+  tokens per second under a calibrated cost table (``choose_width``), picked with ``lax.switch`` over the
+  compiled widths, so the choice costs no dispatch.
 
 The root is the previous round's bonus token: emitted already, not yet in the cache. Verify runs the target
 over [root] + nodes at positions P + depth with the ancestor-only mask, accept walks the tree along the target's
 own choices (argmax, or one sample per node), commit moves the accepted rows into place and emits
-``path_len`` tokens (accepted nodes plus the new bonus). ``generate`` runs prefill and all rounds inside one
-``lax.while_loop``: one dispatch per call. ``generate_chunk`` runs a fixed number of rounds per dispatch for
-streaming.
+``path_len`` tokens (accepted nodes plus the new bonus). ``generate_program`` runs prefill and all rounds
+inside one ``lax.while_loop``: one dispatch per call. ``chunk_program`` runs a fixed number of rounds per
+dispatch for streaming.
 """
 
 from __future__ import annotations
@@ -24,21 +30,15 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax import ddtree
-from kimi_jax.cache import KVCache, commit, init_cache
+from kimi_jax.cache import KVCache, commit as commit_cache, init_cache
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.transformer import forward
+from kimi_jax.model.transformer import ForwardOut, forward
 
 METHODS = ("ar", "dflash", "ddtree")
 
 
 class GenerationError(ValueError):
     """Bad generation arguments (lengths, budget, token ids); the message names the fix."""
-
-
-@flax.struct.dataclass
-class Sampling:
-    temperature: jax.Array        # float32 scalar; only read when sampling
-    key: jax.Array
 
 
 @flax.struct.dataclass
@@ -50,6 +50,9 @@ class State:
     n_out: jax.Array              # [b] int32
     done: jax.Array               # [b] bool
     accepted: jax.Array           # [b, max_new] int32: path_len of each round (tau per round), 0 = no round
+    width: jax.Array              # [max_new] int32: tree nodes verified in each round, -1 = no round
+    outlook: jax.Array            # [len(widths)] float32: expected tokens per width, from the last draft (auto)
+    since_draft: jax.Array        # int32: rounds since the drafter last ran (auto)
     rounds: jax.Array             # int32 scalar
     key: jax.Array
     temperature: jax.Array        # float32 scalar
@@ -59,10 +62,20 @@ class Spec(NamedTuple):
     """The static description of a generation program (hashable: a jit static argument)."""
     cfg: ModelConfig
     method: str = "ar"
-    budget: int = 0               # tree nodes beyond the root (ddtree); dflash uses block_size - 1
+    budget: int = 0               # tree nodes beyond the root; with `widths`, the largest width
     sample: bool = False          # False: greedy argmax; True: one sample per node at `temperature`
     drafter_cfg: object = None
     block_size: int = 0
+    widths: tuple[int, ...] = ()  # ddtree auto: candidate widths, ascending (0 = root only); () = fixed budget
+
+
+class Round(NamedTuple):
+    """What the steps of one round hand each other."""
+    tree: ddtree.Tree
+    fwd: ForwardOut
+    path: jax.Array               # [b, L + 1] node indices, -1 past path_len
+    path_len: jax.Array           # [b]
+    bonus: jax.Array              # [b]
 
 
 def _choose(logits, spec: Spec, temperature, key):
@@ -96,9 +109,20 @@ def _emit(state: State, new_tokens, count, eos_ids, max_new):
     return out, n_out, done
 
 
-def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, *, spec: Spec, max_new: int,
-            max_len: int) -> tuple[State, jax.Array]:
+def _draft_len(spec: Spec) -> int:
+    return 0 if spec.method == "ar" else spec.block_size - 1
+
+
+def _taps(spec: Spec):
+    return () if spec.method == "ar" else tuple(spec.drafter_cfg.target_layer_ids)
+
+
+def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, costs=None, *, spec: Spec,
+            max_new: int, max_len: int) -> tuple[State, jax.Array]:
     """Run the prompt [b, t] (right-padded; true lengths prompt_lens), emit the first token.
+
+    costs (auto only): the cost table [2, len(widths)]; its second row, expected tokens per row, is the outlook
+    the first round is planned on.
 
     Every input is a plain array (the key is made from ``seed`` here), so the host launches nothing else.
     """
@@ -106,8 +130,7 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, *, s
     key = jax.random.key(seed)
     b = prompt.shape[0]
     cache = init_cache(cfg, b, max_len, params["embed"].dtype)
-    taps = _taps(spec)
-    fwd = forward(params, cfg, prompt, cache, taps=taps)
+    fwd = forward(params, cfg, prompt, cache, taps=_taps(spec))
     cache = KVCache(kv=fwd.cache.kv, lengths=prompt_lens.astype(jnp.int32))
     last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
@@ -119,66 +142,160 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, *, s
                                           max_len)
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
                   n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-                  accepted=jnp.zeros((b, max_new), jnp.int32), rounds=jnp.int32(0), key=key,
-                  temperature=jnp.asarray(temperature, jnp.float32))
+                  accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32),
+                  outlook=(jnp.zeros((1,), jnp.float32) if costs is None else costs[1] * b), since_draft=jnp.int32(0),
+                  rounds=jnp.int32(0), key=key, temperature=jnp.asarray(temperature, jnp.float32))
     out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids, max_new)
     return state.replace(out=out, n_out=n_out, done=done), _check_logits(last)
 
 
-def _draft_len(spec: Spec) -> int:
-    return 0 if spec.method == "ar" else spec.block_size - 1
+# ---- the five steps of a round ---------------------------------------------------------------------------
+
+def draft(params, drafter_params, spec: Spec, state: State):
+    """The drafter's logits [b, L, vocab] for the L tokens after each row's bonus (None for ar)."""
+    if spec.method == "ar":
+        return None
+    from kimi_jax import drafter as dflash
+    # A tree of N nodes reaches depth N at most: deeper draft positions are never read.
+    depth = min(_draft_len(spec), spec.budget) if spec.method == "ddtree" else _draft_len(spec)
+    return dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
+                        state.cache.lengths, spec.block_size, depth=depth)
 
 
-def _taps(spec: Spec):
-    return () if spec.method == "ar" else tuple(spec.drafter_cfg.target_layer_ids)
-
-
-def propose(params, drafter_params, spec: Spec, state: State) -> ddtree.Tree:
-    """Draft and build the tree to verify; its root is the bonus token."""
+def build_tree(spec: Spec, state: State, draft_logits) -> ddtree.Tree:
+    """The tree to verify, rooted at the bonus token: root only (ar), the argmax chain (dflash), or the
+    best-first tree of spec.budget nodes (ddtree; with widths, its best-first prefixes are verified)."""
     if spec.method == "ar":
         return ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
-    from kimi_jax import drafter as dflash
-    draft_logits = dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
-                                state.cache.lengths, spec.block_size)
     if spec.method == "dflash":
         return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
     return ddtree.build_tree(state.bonus, draft_logits, spec.budget)
 
 
-def round_step(params, drafter_params, spec: Spec, state: State) -> tuple[State, jax.Array]:
-    """One round: draft, build tree, verify, accept, commit. Returns the new state and a NaN flag."""
-    cfg = spec.cfg
-    tree = propose(params, drafter_params, spec, state)
-    # Verify: the whole tree in one forward, each node at position P + depth, seeing only its ancestors.
+def verify(params, spec: Spec, state: State, tree: ddtree.Tree) -> ForwardOut:
+    """The whole tree in one target forward, each node at position P + depth, seeing only its ancestors."""
     positions = state.cache.lengths[:, None] + tree.depths
-    fwd = forward(params, cfg, tree.tokens, state.cache, positions=positions,
-                  new_mask=ddtree.ancestor_mask(tree), taps=_taps(spec))
-    key, sub = jax.random.split(state.key)
-    # Accept: the target's own token at every node, then walk the tree along them.
-    target_tokens = _choose(fwd.logits, spec, state.temperature, sub)
-    path, path_len, bonus = ddtree.walk(tree, target_tokens, _draft_len(spec))
-    path_len = jnp.where(state.done, 0, path_len)
-    # Commit: accepted rows into place, their features into the drafter cache, tokens to the output.
-    cache = commit(fwd.cache, path, path_len)
+    return forward(params, spec.cfg, tree.tokens, state.cache, positions=positions,
+                   new_mask=ddtree.ancestor_mask(tree), taps=_taps(spec))
+
+
+def accept(spec: Spec, state: State, tree: ddtree.Tree, fwd: ForwardOut, key) -> Round:
+    """The target's own token at every node (argmax or one sample each), then the walk along them."""
+    target_tokens = _choose(fwd.logits, spec, state.temperature, key)
+    path, path_len, bonus = ddtree.walk(tree, target_tokens, min(_draft_len(spec), tree.tokens.shape[1] - 1))
+    path = jnp.pad(path, ((0, 0), (0, _draft_len(spec) + 1 - path.shape[1])), constant_values=-1)
+    return Round(tree, fwd, path, jnp.where(state.done, 0, path_len), bonus)
+
+
+def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, width) -> State:
+    """Accepted rows into place, their features into the drafter cache, tokens to the output."""
+    cache = commit_cache(r.fwd.cache, r.path, r.path_len)
     drafter = state.drafter
     if spec.method != "ar":
         from kimi_jax import drafter as dflash
-        drafter = dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter, fwd.taps, path,
-                                         path_len, state.cache.lengths)
-    accepted_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1)
-    new_tokens = jnp.concatenate([accepted_tokens, bonus[:, None]], axis=1)
+        drafter = dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter, r.fwd.taps, r.path,
+                                         r.path_len, state.cache.lengths)
+    accepted_tokens = jnp.take_along_axis(r.tree.tokens, jnp.maximum(r.path[:, 1:], 0), axis=1)
+    new_tokens = jnp.concatenate([accepted_tokens, r.bonus[:, None]], axis=1)
     # Place the bonus right after the accepted nodes: new_tokens[path_len - 1] = bonus.
     j = jnp.arange(new_tokens.shape[1])[None, :]
-    new_tokens = jnp.where(j == (path_len - 1)[:, None], bonus[:, None], new_tokens)
-    out, n_out, done = _emit(state, new_tokens, path_len, cfg.eos_token_ids, state.out.shape[1])
-    r = jnp.minimum(state.rounds, state.accepted.shape[1] - 1)
-    accepted = state.accepted.at[:, r].set(jnp.where(state.done, 0, path_len))
-    new_state = state.replace(cache=cache, drafter=drafter, bonus=bonus, out=out, n_out=n_out, done=done,
-                              accepted=accepted, rounds=state.rounds + 1, key=key)
-    return new_state, _check_logits(fwd.logits)
+    new_tokens = jnp.where(j == (r.path_len - 1)[:, None], r.bonus[:, None], new_tokens)
+    out, n_out, done = _emit(state, new_tokens, r.path_len, spec.cfg.eos_token_ids, state.out.shape[1])
+    i = jnp.minimum(state.rounds, state.accepted.shape[1] - 1)
+    accepted = state.accepted.at[:, i].set(jnp.where(state.done, 0, r.path_len))
+    return state.replace(cache=cache, drafter=drafter, bonus=r.bonus, out=out, n_out=n_out, done=done,
+                         accepted=accepted, width=state.width.at[i].set(width), rounds=state.rounds + 1, key=key)
 
 
-def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds) -> tuple[State, jax.Array]:
+# ---- the cost-model width --------------------------------------------------------------------------------
+
+# Widths the auto policy chooses from (nodes beyond the root; 0 = a plain AR step that skips the drafter).
+AUTO_WIDTHS = (0, 4, 8, 16, 32)
+# While AR steps win, the drafter runs again (a probe, so the outlook cannot go stale) once the AR steps since
+# the last draft took PROBE_RATIO times the cheapest tree round: probing costs at most ~1/PROBE_RATIO.
+PROBE_RATIO = 10.0
+
+
+def expected_tokens(tree: ddtree.Tree, widths) -> jax.Array:
+    """[b, len(widths)]: tokens a round emits if it verifies the first w nodes of the best-first order.
+
+    The DDTree surrogate: a node is accepted with the probability of its whole path under the drafter's
+    marginals, exp(score); the bonus token always comes. Padding nodes score -inf and add nothing.
+    """
+    cum = jnp.cumsum(jnp.exp(tree.scores[:, 1:]), axis=1)
+    return jnp.stack([1.0 + (cum[:, w - 1] if w else jnp.zeros(cum.shape[0])) for w in widths], axis=1)
+
+
+def outlook(tree: ddtree.Tree, widths, done) -> jax.Array:
+    """The batch's expected tokens per width [len(widths)] (rows still generating)."""
+    return jnp.sum(jnp.where(done[:, None], 0.0, expected_tokens(tree, widths)), axis=0)
+
+
+def plan(state: State, costs) -> jax.Array:
+    """Whether this round drafts: some tree width beats a plain AR step on the outlook, or it is time to
+    probe. costs [2, len(widths)]: seconds per round (widths[0] = 0 is the AR step) and expected tokens per
+    row (the prior outlook, used before the first draft)."""
+    seconds = costs[0]
+    rate = state.outlook / seconds
+    probe = state.since_draft * seconds[0] >= PROBE_RATIO * seconds[1]
+    return (jnp.argmax(rate) > 0) | probe
+
+
+def _finish(params, drafter_params, spec: Spec, state: State, tree: ddtree.Tree, width, keys) -> tuple[State, jax.Array]:
+    """verify -> accept -> commit for a built tree."""
+    key, sub = keys
+    with jax.named_scope("verify"):
+        fwd = verify(params, spec, state, tree)
+    with jax.named_scope("accept"):
+        r = accept(spec, state, tree, fwd, sub)
+    with jax.named_scope("commit"):
+        return commit(params, drafter_params, spec, state, r, key, width), _check_logits(fwd.logits)
+
+
+def _auto_round(params, drafter_params, spec: Spec, state: State, costs, force, keys):
+    """budget="auto": a plain AR step, or draft + build at the largest width + verify the best prefix."""
+    widths = spec.widths
+
+    def ar_step(state):
+        root = ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
+        new, nan = _finish(params, drafter_params, spec, state, root, 0, keys)
+        return new.replace(since_draft=state.since_draft + 1), nan
+
+    def tree_round(state):
+        with jax.named_scope("draft"):
+            logits = draft(params, drafter_params, spec, state)
+        with jax.named_scope("build_tree"):
+            tree = build_tree(spec, state, logits)
+        with jax.named_scope("choose_width"):
+            expect = outlook(tree, widths, state.done)
+            choice = 1 + jnp.argmax(expect[1:] / costs[0, 1:]).astype(jnp.int32)
+            choice = jnp.where(force > 0, force, choice)
+        branches = [functools.partial(lambda t, w: _finish(params, drafter_params, spec, state, ddtree.truncate(t, w),
+                                                           w, keys), w=w) for w in widths[1:]]
+        new, nan = jax.lax.switch(choice - 1, branches, tree)
+        return new.replace(outlook=expect.at[0].set(jnp.sum(~state.done)), since_draft=jnp.int32(0)), nan
+
+    with jax.named_scope("choose_width"):
+        go = jnp.where(force >= 0, force > 0, plan(state, costs))
+    return jax.lax.cond(go, tree_round, ar_step, state)
+
+
+def round_step(params, drafter_params, spec: Spec, state: State, costs=None, force=-1) -> tuple[State, jax.Array]:
+    """One round: draft, build tree, verify, accept, commit. Returns the new state and a NaN flag.
+
+    With spec.widths (budget="auto") the round is planned from the cost table ``costs``; ``force`` (an
+    index into spec.widths, -1 = plan) overrides the plan, which is how the cost table is calibrated."""
+    keys = jax.random.split(state.key)
+    if spec.widths:
+        return _auto_round(params, drafter_params, spec, state, costs, force, keys)
+    with jax.named_scope("draft"):
+        logits = draft(params, drafter_params, spec, state)
+    with jax.named_scope("build_tree"):
+        tree = build_tree(spec, state, logits)
+    return _finish(params, drafter_params, spec, state, tree, tree.tokens.shape[1] - 1, keys)
+
+
+def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds, costs=None, force=-1):
     """Rounds in a lax.while_loop until every row is done or max_rounds more rounds ran."""
     stop_at = state.rounds + max_rounds
 
@@ -188,19 +305,23 @@ def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds) -> 
 
     def body(carry):
         s, nan = carry
-        s, bad = round_step(params, drafter_params, spec, s)
+        s, bad = round_step(params, drafter_params, spec, s, costs, force)
         return s, nan | bad
 
     return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len"))
-def generate_program(params, drafter_params, prompt, prompt_lens, temperature, seed, *, spec: Spec, max_new: int,
-                     max_len: int):
-    """Prefill and every round: the whole generation as one XLA program."""
-    state, nan = prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, spec=spec,
+def generate_program(params, drafter_params, prompt, prompt_lens, temperature, seed, costs=None, force=-1,
+                     max_rounds=None, *, spec: Spec, max_new: int, max_len: int):
+    """Prefill and every round: the whole generation as one XLA program.
+
+    costs/force: the auto policy's cost table and calibration override; max_rounds (traced, default max_new)
+    stops early, so calibration can time rounds with the very program that serves requests."""
+    state, nan = prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, costs, spec=spec,
                          max_new=max_new, max_len=max_len)
-    state, nan_rounds = run_rounds(params, drafter_params, spec, state, max_new)
+    state, nan_rounds = run_rounds(params, drafter_params, spec, state, max_new if max_rounds is None else max_rounds,
+                                   costs, force)
     return state, nan | nan_rounds
 
 
@@ -208,6 +329,21 @@ prefill_program = jax.jit(prefill, static_argnames=("spec", "max_new", "max_len"
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rounds"), donate_argnames=("state",))
-def chunk_program(params, drafter_params, state: State, *, spec: Spec, rounds: int):
+def chunk_program(params, drafter_params, state: State, costs=None, *, spec: Spec, rounds: int):
     """A fixed number of rounds per dispatch (streaming); the state (and its caches) is donated."""
-    return run_rounds(params, drafter_params, spec, state, rounds)
+    return run_rounds(params, drafter_params, spec, state, rounds, costs)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def steady_rounds_program(params, drafter_params, state: State, force, rounds, *, spec: Spec):
+    """``rounds`` (traced) rounds, each from the same committed lengths so the cache never fills and no row
+    finishes: every round does the same work. ``force`` picks the width index (auto specs; -1 = plan).
+    For bench/round_profile.py."""
+    costs = jnp.ones((2, max(len(spec.widths), 1)), jnp.float32)
+
+    def body(_, s):
+        nxt, _ = round_step(params, drafter_params, spec, s, costs, force)
+        return nxt.replace(cache=nxt.cache.replace(lengths=s.cache.lengths), n_out=s.n_out, done=s.done,
+                           rounds=s.rounds)
+
+    return jax.lax.fori_loop(0, rounds, body, state).bonus

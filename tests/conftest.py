@@ -8,6 +8,10 @@ if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 import pathlib  # noqa: E402
+import tempfile  # noqa: E402
+
+# The auto policy's cost tables are cached on disk; tests keep theirs out of the user's cache.
+os.environ.setdefault("KIMI_JAX_CACHE", tempfile.mkdtemp(prefix="kimi_jax_test_cache_"))
 
 import pytest  # noqa: E402
 

@@ -36,6 +36,7 @@ def test_default_run_json():
     out = json.loads(res.stdout)
     assert out["method"] == "ddtree" and 1 <= len(out["tokens"]) <= 24
     assert out["stats"]["dispatches"] == 1 and out["stats"]["mean_tau"] >= 1.0
+    assert set(out["stats"]["width_per_round"]) <= {0, 4, 8, 16, 32}          # --budget auto is the default
 
 
 @needs_default
@@ -50,7 +51,7 @@ def test_missing_checkpoint():
     one_line_error(decode("--checkpoint", "/nonexistent/ck", "--method", "ar"), "does not exist")
 
 
-@pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["--budget"]), (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+@pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["--budget"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["--max-new-tokens"]),
                                          (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"])])
 def test_bad_flag_values(flags, words):
     one_line_error(decode(*flags), *words)

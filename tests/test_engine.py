@@ -40,8 +40,8 @@ def oracle_draft(sequences, wrong_depths=()):
     `wrong_depths`, where the top token is wrong and the true one ranks second (so trees must branch)."""
     table = jnp.asarray(sequences)
 
-    def draft(p, c, target_params, cache, bonus, lengths, block_size):
-        idx = lengths[:, None] + 1 + jnp.arange(block_size - 1)[None, :]
+    def draft(p, c, target_params, cache, bonus, lengths, block_size, depth=None):
+        idx = lengths[:, None] + 1 + jnp.arange(block_size - 1 if depth is None else depth)[None, :]
         true = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1), axis=1)
         logits = 5.0 * jax.nn.one_hot(true, c.vocab_size)
         for d in wrong_depths:
@@ -112,7 +112,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     spec = model._spec("ddtree", 8, 0.0)
     prompt, lens, max_len = model._layout(model.encode(PROMPTS), 24, spec)
-    args = model._args(prompt, lens, 0.0, 0)
+    args = model._args(prompt, lens, 0.0, 0)[:6]
     state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
     for _ in range(4):
         state, _ = engine.chunk_program(model.params, args[1], state, spec=spec, rounds=1)
@@ -154,8 +154,9 @@ def test_one_dispatch_per_generate(model, monkeypatch):
 
 
 def test_bad_arguments(model, target):
-    with pytest.raises(GenerationError, match="budget must be >= 0"):
-        model.generate(PROMPTS, 4, method="ddtree", budget=-1)
+    for bad in (-1, "wide", 2.5):
+        with pytest.raises(GenerationError, match="budget must be 'auto' or an integer >= 0"):
+            model.generate(PROMPTS, 4, method="ddtree", budget=bad)
     with pytest.raises(GenerationError, match="block_size 9 exceeds the drafter's 5"):
         model.generate(PROMPTS, 4, method="ddtree", block_size=9)
     with pytest.raises(GenerationError, match="needs a drafter"):
@@ -172,3 +173,78 @@ def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
     """attn_impl="pallas" routes verify attention through the Pallas kernel (interpret mode on CPU)."""
     pallas = kimi_jax.Model(CFG.replace(attn_impl="pallas"), model.params, drafter=model.drafter)
     assert pallas.generate(PROMPTS, 24, method="ddtree", budget=8).tokens == ar_tokens
+
+
+# ---- budget="auto": the cost-model width ----------------------------------------------------------------
+
+def _auto_program(model, prompts, max_new):
+    spec = model._spec("ddtree", "auto", 0.0)
+    prompt, lens, max_len = model._layout(model.encode(prompts), max_new, spec)
+    program, _ = model._program(spec, prompt, max_new, max_len)
+    return spec, program, prompt, lens, max_len
+
+
+def _tokens(state):
+    n_out, out = jax.device_get((state.n_out, state.out))
+    return [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle):
+    """Each width the policy can pick (forced), and the policy itself under opposite cost tables, emits AR's
+    exact greedy tokens; the widths it reports are the ones the tables make it pick."""
+    if oracle:
+        patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
+    model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
+    spec, program, prompt, lens, _ = _auto_program(model, PROMPTS, 24)
+    assert spec.widths == engine.AUTO_WIDTHS and spec.budget == max(engine.AUTO_WIDTHS)
+    n = len(spec.widths)
+    flat = np.ones((2, n), np.float32)
+    for force in range(n):
+        state, _ = program(*model._args(prompt, lens, 0.0, 0, flat, force))
+        assert _tokens(state) == ar_tokens, f"width {spec.widths[force]}"
+        widths = np.asarray(state.width)[:int(state.rounds)]
+        assert set(widths.tolist()) == {spec.widths[force]}
+    # Trees nearly free: after the first (prior-planned) round every round drafts and verifies a tree.
+    cheap = np.stack([np.asarray([1.0] + [0.01] * (n - 1)), np.asarray([1.0] + [2.0] * (n - 1))]).astype(np.float32)
+    state, _ = program(*model._args(prompt, lens, 0.0, 0, cheap))
+    assert _tokens(state) == ar_tokens
+    assert (np.asarray(state.width)[:int(state.rounds)] > 0).all()
+    # Trees far dearer than AR, and a prior that says so: AR steps, a probe only every PROBE_RATIO x cost.
+    dear = np.stack([np.asarray([1.0] + [100.0] * (n - 1)), np.ones(n)]).astype(np.float32)
+    state, _ = program(*model._args(prompt, lens, 0.0, 0, dear))
+    assert _tokens(state) == ar_tokens
+    assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
+
+
+@pytest.mark.slow
+def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_path):
+    from kimi_jax import costs
+    monkeypatch.setenv("KIMI_JAX_CACHE", str(tmp_path))
+    m = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
+    spec, _, prompt, lens, max_len = _auto_program(m, PROMPTS[:1], 24)
+    table = m.cost_table(spec, prompt, lens, 24, max_len)
+    assert table.shape == (2, len(spec.widths))
+    assert (table[0] > 0).all() and (np.diff(table[0]) >= 0).all()             # seconds: monotone in width
+    assert table[1][0] == 1.0 and (np.diff(table[1]) >= -1e-6).all()          # expected tokens grow with width
+    assert len(list(tmp_path.glob("costs/*.json"))) == 1
+
+    def no_measuring(*a, **k):
+        raise AssertionError("the table should have come from the disk cache")
+    monkeypatch.setattr(costs, "measure", no_measuring)
+    again = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
+    np.testing.assert_allclose(again.cost_table(spec, prompt, lens, 24, max_len), table, rtol=1e-6)
+    assert again.generate(PROMPTS[:1], 8).stats["width_per_round"]             # auto by default, widths reported
+
+
+def test_expected_tokens_is_the_surrogate_sum():
+    logits = jax.random.normal(jax.random.key(3), (2, 4, 7)) * 2
+    tree = ddtree.build_tree(jnp.asarray([1, 2]), logits, 9)
+    got = np.asarray(engine.expected_tokens(tree, (0, 1, 5, 9)))
+    p = np.exp(np.asarray(tree.scores[:, 1:], np.float64))
+    want = np.stack([np.ones(2), 1 + p[:, :1].sum(1), 1 + p[:, :5].sum(1), 1 + p[:, :9].sum(1)], 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # A truncated best-first tree is the best tree of that width: same nodes as building it at that width.
+    small = ddtree.build_tree(jnp.asarray([1, 2]), logits, 5)
+    for a, b in zip(ddtree.truncate(tree, 5), small):
+        np.testing.assert_array_equal(a, b)

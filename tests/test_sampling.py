@@ -7,11 +7,13 @@ emitted tokens must match the chain's (chi-square); Leviathan-style min(1, p/q) 
 deterministic top-1 chain is shown to fail the same test, as research/ddtree.md section 3.3 warns.
 """
 
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kimi_jax import ddtree
 
@@ -38,9 +40,10 @@ def chi2(samples):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@jax.jit
-def tree_round(key, prev2, root, budget_logits):
-    tree = ddtree.build_tree(root, budget_logits, 6)
+@functools.partial(jax.jit, static_argnames=("width",))
+def tree_round(key, prev2, root, budget_logits, width=6):
+    # Built at 6 nodes and cut to `width`, as the auto policy verifies a prefix of the best-first order.
+    tree = ddtree.truncate(ddtree.build_tree(root, budget_logits, 6), width)
     parent_tok = jnp.where(tree.parents >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(tree.parents, 0), 1),
                            prev2[:, None])
     probs = jnp.asarray(P)[parent_tok, tree.tokens]                                 # [rows, 1+N, V]
@@ -91,9 +94,10 @@ def first_three(round_fn, seed):
     return np.array([row[:3] for row in out])
 
 
-def test_sample_and_walk_matches_the_target_distribution():
+@pytest.mark.parametrize("width", [6, 4, 2, 1, 0])
+def test_sample_and_walk_matches_the_target_distribution(width):
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (ROWS, L, V))
-    samples = first_three(lambda k, p2, r: tree_round(k, p2, r, logits), seed=0)
+    samples = first_three(lambda k, p2, r: tree_round(k, p2, r, logits, width=width), seed=0)
     assert chi2(samples) < CHI2_CRIT_26DF_P001
 
 

@@ -1,0 +1,105 @@
+"""The cost table of the ``budget="auto"`` policy: seconds per round at each candidate width, measured.
+
+Next to the costs the table keeps a prior outlook (expected tokens per row at each width, from the drafter's
+node probabilities in the calibration runs), on which the first round of a generation is planned.
+
+A round's cost is calibrated on the backend that serves it, once per (model, drafter, widths, batch, cache
+slots): the very generation program that serves requests runs with each width forced (``force``) and two
+round limits, and the difference of the two wall times over the difference of the rounds run is the cost
+of one round at that width (prefill and the launch cancel out). Each measurement is the best of a few runs.
+Costs are made monotone in the width (a running maximum: a wider tree never costs less, whatever the noise).
+
+Tables are cached in memory by ``kimi_jax.api.Model`` next to its compiled programs, and on disk as JSON under
+``$KIMI_JAX_CACHE`` (default ``~/.cache/kimi_jax``)``/costs/<key>.json``, written atomically; a later process
+with the same key reloads instead of measuring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+
+def cache_dir() -> str:
+    return os.path.join(os.environ.get("KIMI_JAX_CACHE", os.path.expanduser("~/.cache/kimi_jax")), "costs")
+
+
+def table_key(spec, batch: int, max_len: int) -> str:
+    """What a round's cost depends on: backend, model and drafter configs, widths, batch and cache slots."""
+    dev = jax.devices()[0]
+    parts = dict(backend=jax.default_backend(), device=getattr(dev, "device_kind", ""), jax=jax.__version__,
+                 cfg=spec.cfg.to_dict(), drafter=spec.drafter_cfg.to_dict(), widths=list(spec.widths),
+                 block=spec.block_size, sample=spec.sample, batch=batch, max_len=max_len)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def monotone(costs) -> np.ndarray:
+    return np.maximum.accumulate(np.asarray(costs, np.float64))
+
+
+def measure(run: Callable[[int, int], tuple[int, np.ndarray]], n_widths: int, rounds: tuple[int, int] = (1, 12),
+            repeats: int = 3) -> np.ndarray:
+    """run(force, max_rounds) executes the program, returning (rounds run, the final outlook per row).
+
+    -> the table [2, n_widths]: seconds per round at each width (monotone), and the prior outlook (expected
+    tokens per row at each width, averaged over the forced tree runs; 1 for the AR step)."""
+    seconds, outlooks = [], []
+    for force in range(n_widths):
+        run(force, rounds[0])                                   # warm
+        timed = []
+        for limit in rounds:
+            best, ran = float("inf"), 0
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ran, outlook = run(force, limit)
+                best = min(best, time.perf_counter() - t0)
+            timed.append((best, ran))
+        if force:
+            outlooks.append(outlook)
+        (t1, n1), (t2, n2) = timed
+        seconds.append((t2 - t1) / (n2 - n1) if n2 > n1 else t2 / max(n2, 1))   # no room for more: upper bound
+    prior = np.mean(outlooks, axis=0) if outlooks else np.ones(n_widths)
+    prior[0] = 1.0
+    return np.stack([monotone(np.maximum(seconds, 1e-7)), prior])
+
+
+def load(key: str) -> np.ndarray | None:
+    path = os.path.join(cache_dir(), key + ".json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return np.asarray([d["seconds_per_round"], d["expected_tokens_per_row"]], np.float64)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save(key: str, table, widths) -> str:
+    os.makedirs(cache_dir(), exist_ok=True)
+    path = os.path.join(cache_dir(), key + ".json")
+    fd, tmp = tempfile.mkstemp(dir=cache_dir(), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"widths": list(widths), "seconds_per_round": [float(c) for c in table[0]],
+                   "expected_tokens_per_row": [float(c) for c in table[1]],
+                   "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M")}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def projected_seconds(hardware: str, widths, context: int = 4096) -> np.ndarray:
+    """What the table would hold for full K2.6 + its 6-layer DFlash drafter on 8 chips of `hardware` (TP-8),
+    from the analytical roofline (kimi_jax.roofline; width w verifies w + 1 tokens, width 0 is plain AR)."""
+    from kimi_jax.roofline import design_projection
+    rows = design_projection((hardware,), widths=tuple(w + 1 for w in widths), context=context)
+    return monotone([r.total for r in next(iter(rows.values()))])
+
+
+def best_width(table) -> int:
+    """Index of the width with the most expected tokens per second under a table [2, n]."""
+    return int(np.argmax(np.asarray(table[1]) / np.asarray(table[0])))
