@@ -27,14 +27,24 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_method(model, prompts, new_tokens, method, budget=None):
-    toks, secs, taus = [], 0.0, []
+    toks, secs, taus, widths = [], 0.0, [], []
     for p in prompts:
         model.generate([p], new_tokens, method=method, budget=budget)              # compile (cached per shape)
         g = model.generate([p], new_tokens, method=method, budget=budget)
         toks.append(g.tokens[0])
         secs += g.stats["seconds"]
         taus += g.stats["tau_per_round"][0]
-    return toks, secs, float(np.mean(taus))
+        widths += g.stats["width_per_round"]
+    return toks, secs, float(np.mean(taus)), widths
+
+
+def prompt_windows(tok, path, n, length):
+    """n evenly spaced windows of `length` tokens from a text file (held-out text of the user's choice)."""
+    ids = tok.encode(pathlib.Path(path).read_text())
+    if len(ids) < length + 1:
+        raise SystemExit(f"{path} has {len(ids)} tokens, fewer than one prompt of {length}")
+    step = max(1, (len(ids) - length) // n)
+    return [ids[i * step:i * step + length] for i in range(n)]
 
 
 def run_hf(model, prompts, new_tokens, python):
@@ -53,6 +63,20 @@ def run_hf(model, prompts, new_tokens, python):
         return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def project_auto(model, prompts):
+    """The auto policy under roofline costs of full K2.6 (TP-8) with this drafter's measured prior outlook."""
+    from kimi_jax import costs
+    spec, arr, lens, max_len = model._prepare([prompts[0]], 64, "ddtree", "auto", 0.0, None)
+    prior = model.cost_table(spec, arr, lens, 64, max_len)[1]
+    out = {}
+    for hw in ("h200", "b300"):
+        seconds = costs.projected_seconds(hw, spec.widths)
+        i = costs.best_width(np.stack([seconds, prior]))
+        out[hw] = dict(width=spec.widths[i], seconds_per_round=seconds.tolist(),
+                       speedup_vs_ar=float(prior[i] / seconds[i] * seconds[0]))
+    return out
+
+
 def main(argv=None):
     import kimi_jax
     p = argparse.ArgumentParser(prog="python -m bench.decode")
@@ -62,6 +86,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budgets", default="4,8,16,32,64,128,256")
+    p.add_argument("--prompt-file", default=None,
+                   help="take the prompts from this text (default: held-out stdlib files, never trained on)")
     p.add_argument("--hf-python", default="/tmp/venv311/bin/python",
                    help="a Python with torch + transformers for the HF baseline")
     p.add_argument("--no-hf", action="store_true")
@@ -71,17 +97,23 @@ def main(argv=None):
     model = kimi_jax.load(a.target, drafter=a.drafter)
     model = kimi_jax.Model(model.config.replace(eos_token_ids=()), model.params, model.tokenizer, model.drafter)
     from kimi_jax.corpus import heldout_prompts
-    prompts = heldout_prompts(model.tokenizer, a.prompts, a.prompt_len)
+    if a.prompt_file:
+        prompts, text = prompt_windows(model.tokenizer, a.prompt_file, a.prompts, a.prompt_len), a.prompt_file
+    else:
+        prompts, text = heldout_prompts(model.tokenizer, a.prompts, a.prompt_len), "held-out stdlib files"
     rows = []
-    ar_toks, ar_s, _ = run_method(model, prompts, a.new_tokens, "ar")
+    ar_toks, ar_s, _, _ = run_method(model, prompts, a.new_tokens, "ar")
     n_tok = a.prompts * a.new_tokens
     rows.append(dict(method="ar", budget=0, tokens_per_s=n_tok / ar_s, tau=1.0, equal_to_ar=True))
-    configs = [("dflash", None)] + [("ddtree", int(b)) for b in a.budgets.split(",")]
+    configs = [("ddtree", "auto"), ("dflash", None)] + [("ddtree", int(b)) for b in a.budgets.split(",")]
     for method, budget in configs:
-        toks, s, tau = run_method(model, prompts, a.new_tokens, method, budget)
-        rows.append(dict(method=method, budget=budget if budget is not None else model.drafter.config.block_size - 1,
-                         tokens_per_s=n_tok / s, tau=tau, equal_to_ar=toks == ar_toks))
-        print(f"  {method:6s} budget {rows[-1]['budget']:4d}: {rows[-1]['tokens_per_s']:8.1f} tok/s  tau {tau:.2f}",
+        toks, s, tau, widths = run_method(model, prompts, a.new_tokens, method, budget)
+        row = dict(method=method, budget=budget if budget is not None else model.drafter.config.block_size - 1,
+                   tokens_per_s=n_tok / s, tau=tau, equal_to_ar=toks == ar_toks)
+        if budget == "auto":
+            row["widths_chosen"] = {int(w): widths.count(w) for w in sorted(set(widths))}
+        rows.append(row)
+        print(f"  {method:6s} budget {str(row['budget']):>4s}: {row['tokens_per_s']:8.1f} tok/s  tau {tau:.2f}",
               file=sys.stderr)
     hf = None
     if not a.no_hf and os.path.exists(a.hf_python):
@@ -89,21 +121,32 @@ def main(argv=None):
         hf["equal_to_ar"] = hf.pop("tokens") == ar_toks
         hf["tokens_per_s"] = n_tok / hf["seconds"]
     ar_tps = rows[0]["tokens_per_s"]
-    print(f"\nheld-out prompts: {a.prompts} x {a.prompt_len} tokens, {a.new_tokens} new tokens each, greedy, batch 1, "
-          f"{jax.default_backend()} ({os.cpu_count()} cores)")
+    print(f"\nprompts from {text}: {a.prompts} x {a.prompt_len} tokens, {a.new_tokens} new tokens each, greedy, "
+          f"batch 1, {jax.default_backend()} ({os.cpu_count()} cores)")
     print(f"{'method':8s} {'budget':>6s} {'tok/s':>9s} {'tau':>6s} {'vs AR':>7s} {'vs HF':>7s}  tokens == AR")
     for r in rows:
         vs_hf = f"{r['tokens_per_s'] / hf['tokens_per_s']:6.2f}x" if hf else "    n/a"
-        print(f"{r['method']:8s} {r['budget']:6d} {r['tokens_per_s']:9.1f} {r['tau']:6.2f} "
+        print(f"{r['method']:8s} {str(r['budget']):>6s} {r['tokens_per_s']:9.1f} {r['tau']:6.2f} "
               f"{r['tokens_per_s'] / ar_tps:6.2f}x {vs_hf}  {r['equal_to_ar']}")
     if hf:
         print(f"{'hf':8s} {'':6s} {hf['tokens_per_s']:9.1f} {'':6s} {hf['tokens_per_s'] / ar_tps:6.2f}x "
               f"{1.0:6.2f}x  {hf['equal_to_ar']}   (transformers {hf['transformers']}, torch {hf['torch']})")
+    fixed = [r for r in rows if r["method"] == "ddtree" and r["budget"] != "auto"]
+    best = max(fixed, key=lambda r: r["tokens_per_s"])
+    auto = next(r for r in rows if r["budget"] == "auto")
+    print(f"ddtree auto: {auto['tokens_per_s'] / ar_tps:.2f}x AR, {auto['tokens_per_s'] / best['tokens_per_s']:.2f}x the "
+          f"best fixed budget ({best['budget']}); widths chosen {auto['widths_chosen']}")
+    projection = project_auto(model, prompts)
+    for hw, pr in projection.items():
+        print(f"  same policy on 8x {hw} (roofline costs, this drafter's outlook): picks width {pr['width']}, "
+              f"{pr['speedup_vs_ar']:.2f}x AR")
     out = a.out or str(ROOT / "bench" / "results" / f"decode_{jax.default_backend()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"command": "python -m bench.decode " + " ".join(argv or sys.argv[1:]), "prompts": a.prompts,
-                   "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "rows": rows, "hf": hf,
+                   "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "text": text, "rows": rows, "hf": hf,
+                   "auto_vs_ar": auto["tokens_per_s"] / ar_tps, "auto_vs_best_fixed": auto["tokens_per_s"] /
+                   best["tokens_per_s"], "projection": projection,
                    "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     print(f"wrote {out}")
 
