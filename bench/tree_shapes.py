@@ -7,8 +7,11 @@ once; at every round start P (P tokens committed, bonus S[P]) the drafter's marg
 engine (its context is S[:P], which is what a lossless engine has committed). A tree accepts the longest
 prefix of S[P+1:] it contains, so any shape can be scored without running the target again. Reported per
 shape and width: mean accepted tokens per round (tau = accepted nodes + the bonus) averaged over all round
-starts P; per depth, how often the true token is the drafter's rank-r token given the true prefix (the
-acceptance of a sibling of rank r); and where the best-first tree spends its nodes.
+starts of the trajectory each shape really runs (a round starts where the previous one stopped: averaging over
+every position instead would overstate tau about 2x, since rounds start right after a miss); per depth, how
+often the true token is the drafter's rank-r token (over all positions: the acceptance a sibling of rank r
+could add); and where the best-first tree spends its nodes. Checked: best-first's trajectory taus equal the
+engine's own per-round taus.
 
 Shapes at equal width w:
 * best-first: the DDTree tree (the w most probable prefixes under the product of marginals);
@@ -40,7 +43,8 @@ def draft_log_probs(model, seq: np.ndarray, starts: list[int]) -> np.ndarray:
     from kimi_jax import drafter as dflash
     from kimi_jax.cache import init_cache
     from kimi_jax.model.transformer import forward
-    c, dp, tp = model.drafter.config, model.drafter.params, model.compute_params
+    c = model.drafter.config
+    dp, tp = jax.device_put(model.drafter.params), jax.device_put(model.compute_params)
     t = len(seq)
     fwd = jax.jit(lambda p, s: forward(p, model.config, s, init_cache(model.config, 1, t), taps=c.target_layer_ids))(
         tp, jnp.asarray(seq[None]))
@@ -119,23 +123,27 @@ def main(argv=None):
         cont = model.generate([prompt], a.new_tokens, method="ar").tokens[0]
         seq = np.asarray(prompt + cont, np.int32)
         starts = list(range(len(prompt), len(seq) - L))
-        lps = draft_log_probs(model, seq, starts)
-        for P, lp in zip(starts, lps):
+        lps = dict(zip(starts, draft_log_probs(model, seq, starts)))
+        for P, lp in lps.items():
             truth = seq[P + 1:P + 1 + L]
             ranks = np.argsort(np.argsort(-lp, axis=-1), axis=-1)[np.arange(L), truth]
             rank_hits[np.arange(L), np.minimum(ranks, 3)] += 1
-            for s, fn in SHAPES.items():
-                for w in widths:
-                    tree = fn(lp, w)
-                    taus[s][w].append(1 + accepted_len(*tree, truth))
+        for s, fn in SHAPES.items():
+            for w in widths:
+                P = starts[0]
+                while P in lps:        # the rounds a real engine runs: each starts where the last one stopped
+                    tree = fn(lps[P], w)
+                    accepted = accepted_len(*tree, seq[P + 1:P + 1 + L])
+                    taus[s][w].append(1 + accepted)
                     if s == "best-first":
                         spent[w] += np.bincount(tree[2][1:] - 1, minlength=L)[:L]
-    n = len(taus["best-first"][widths[0]])
+                    P += 1 + accepted
+    n = int(rank_hits[0].sum())
     table = {s: {w: float(np.mean(v)) for w, v in d.items()} for s, d in taus.items()}
     # P(true token at depth d has rank r | the true prefix is in the tree) ~ marginal rank frequencies
     rank_share = (rank_hits / rank_hits.sum(1, keepdims=True)).round(3).tolist()
     print(f"held-out prompts: {a.prompts} x {a.prompt_len} tokens, greedy continuations of {a.new_tokens}; "
-          f"{n} round starts")
+          f"{n} positions")
     print("mean tau at equal width:   " + "  ".join(f"w={w:<4d}" for w in widths))
     for s, row in table.items():
         print(f"  {s:15s}           " + "  ".join(f"{row[w]:6.2f}" for w in widths))
@@ -143,12 +151,12 @@ def main(argv=None):
     for d in range(L):
         print(f"  depth {d + 1:2d}: " + " / ".join(f"{x:.2f}" for x in rank_share[d]))
     for w in widths:
-        print(f"best-first w={w}: nodes per depth {np.round(spent[w] / n, 2).tolist()}")
+        print(f"best-first w={w}: nodes per depth {np.round(spent[w] / len(taus['best-first'][w]), 2).tolist()}")
     out = ROOT / "bench" / "results" / f"tree_shapes_{jax.default_backend()}.json"
     out.write_text(json.dumps(dict(command="python -m bench.tree_shapes " + " ".join(argv or []),
                                    prompts=a.prompts, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
-                                   round_starts=n, tau=table, rank_share_by_depth=rank_share,
-                                   best_first_nodes_per_depth={w: (spent[w] / n).tolist() for w in widths},
+                                   positions=n, tau=table, rank_share_by_depth=rank_share,
+                                   best_first_nodes_per_depth={w: (spent[w] / len(taus["best-first"][w])).tolist() for w in widths},
                                    date=time.strftime("%Y-%m-%d")), indent=1))
     print(f"wrote {out}")
 

@@ -97,7 +97,7 @@ def projected_seconds(hardware: str, widths, context: int = 4096) -> np.ndarray:
     from the analytical roofline (kimi_jax.roofline; width w verifies w + 1 tokens, width 0 is plain AR)."""
     from kimi_jax.roofline import design_projection
     rows = design_projection((hardware,), widths=tuple(w + 1 for w in widths), context=context)
-    return monotone([r.total for r in next(iter(rows.values()))])
+    return monotone([r.total_s for r in next(iter(rows.values()))])
 
 
 def best_width(table) -> int:
