@@ -27,8 +27,13 @@ import jax
 import numpy as np
 
 
+def cache_root() -> str:
+    """$KIMI_JAX_CACHE, default ~/.cache/kimi_jax: cost tables here, the CLI's compiled programs under xla/."""
+    return os.environ.get("KIMI_JAX_CACHE", os.path.expanduser("~/.cache/kimi_jax"))
+
+
 def cache_dir() -> str:
-    return os.path.join(os.environ.get("KIMI_JAX_CACHE", os.path.expanduser("~/.cache/kimi_jax")), "costs")
+    return os.path.join(cache_root(), "costs")
 
 
 def table_key(spec, batch: int, max_len: int) -> str:

@@ -66,8 +66,18 @@ def _stats_line(stats) -> str:
             f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds{shown}, {stats['dispatches']} dispatches]")
 
 
+def _persistent_compile_cache():
+    """Keep compiled programs across runs (the auto policy's program takes ~20 s to compile on a CPU), under
+    $KIMI_JAX_CACHE/xla unless the user configured JAX's own cache."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        from kimi_jax.costs import cache_root
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
+
+
 def run(argv=None) -> int:
     args = _parse(argv)
+    _persistent_compile_cache()
     import kimi_jax
     from kimi_jax.tokenizer import StreamDecoder
 
