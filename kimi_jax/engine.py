@@ -7,10 +7,11 @@ Every method is the same round, written as five named steps:
 * ``ar``:     no drafter; the tree is the root alone, so a round is one ordinary decode step;
 * ``dflash``: the DFlash drafter's argmax block as a single path (chain verification);
 * ``ddtree``: the best-first tree of the most probable prefixes under the drafter's marginals. With a fixed
-  ``budget`` the tree has that many nodes; with ``widths`` (the ``budget="auto"`` policy) the tree is built once
-  at the largest width and every round verifies the prefix of its best-first order that maximises expected
-  tokens per second under a calibrated cost table (``choose_width``), picked with ``lax.switch`` over the
-  compiled widths, so the choice costs no dispatch.
+  ``budget`` the tree has that many nodes; with ``widths`` (the ``budget="auto"`` policy) every round is
+  planned on the device from a calibrated cost table (kimi_jax.costs): either a plain AR step that skips the
+  drafter (``plan``), or a tree built once at the largest width of which the best-first prefix with the most
+  expected tokens per second is verified, picked with ``lax.switch`` over the compiled widths, so the choice
+  costs no dispatch.
 
 The root is the previous round's bonus token: emitted already, not yet in the cache. Verify runs the target
 over [root] + nodes at positions P + depth with the ancestor-only mask, accept walks the tree along the target's
