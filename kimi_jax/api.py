@@ -182,9 +182,12 @@ class Model:
         spec = self._spec(method, budget, temperature, block_size)
         return (spec, *self._layout(self.encode(prompt), max_new_tokens, spec))
 
-    def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
+    def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                  temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
-        """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call."""
+        """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
+
+        budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
+        width by expected tokens per second under costs calibrated on this backend (``cost_table``)."""
         spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
                                                         block_size)
         program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
@@ -209,7 +212,7 @@ class Model:
         text = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
         return Generation(tokens, text, stats)
 
-    def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | None = None,
+    def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
