@@ -156,7 +156,8 @@ def main(argv=None):
     out.write_text(json.dumps(dict(command="python -m bench.tree_shapes " + " ".join(argv or []),
                                    prompts=a.prompts, prompt_len=a.prompt_len, new_tokens=a.new_tokens,
                                    positions=n, tau=table, rank_share_by_depth=rank_share,
-                                   best_first_nodes_per_depth={w: (spent[w] / len(taus["best-first"][w])).tolist() for w in widths},
+                                   best_first_nodes_per_depth={w: (spent[w] / len(taus["best-first"][w])).tolist()
+                                                               for w in widths},
                                    date=time.strftime("%Y-%m-%d")), indent=1))
     print(f"wrote {out}")
 

@@ -92,7 +92,7 @@ class Model:
         if method not in engine.METHODS:
             raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
         if budget == "auto":
-            budget = None if method == "ddtree" else budget
+            budget = None
         elif budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 0):
             raise GenerationError(f"budget must be 'auto' or an integer >= 0, got {budget!r}")
         if temperature < 0 or not np.isfinite(temperature):
@@ -135,18 +135,23 @@ class Model:
         if key not in self._programs:
             t0 = time.perf_counter()
             costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
-            args = self._args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
+            args = self._program_args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
             with partitioning.use(self.mesh):
                 lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
 
-    def _args(self, prompt, lens, temperature, seed, costs=None, force=-1, max_rounds=None):
+    def _args(self, prompt, lens, temperature, seed):
+        """Arguments of engine.prefill (and the first six of engine.generate_program)."""
         dparams = None if self.drafter is None else self.drafter.params
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
         return (self.compute_params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
-                np.float32(max(temperature, 1e-6)), np.uint32(seed), costs, np.int32(force),
-                np.int32(2 ** 30 if max_rounds is None else max_rounds))
+                np.float32(max(temperature, 1e-6)), np.uint32(seed))
+
+    def _program_args(self, prompt, lens, temperature, seed, costs=None, force=-1, max_rounds=None):
+        """Arguments of engine.generate_program: prefill's, the auto cost table, its override, a round limit."""
+        return self._args(prompt, lens, temperature, seed) + (
+            costs, np.int32(force), np.int32(2 ** 30 if max_rounds is None else max_rounds))
 
     def cost_table(self, spec, prompt, lens, max_new, max_len) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
@@ -160,7 +165,7 @@ class Model:
                 ones = np.ones((2, len(spec.widths)), np.float32)
 
                 def run(force, limit):
-                    state, _ = program(*self._args(prompt, lens, 0.0, 0, ones, force, limit))
+                    state, _ = program(*self._program_args(prompt, lens, 0.0, 0, ones, force, limit))
                     rounds, outlook = jax.device_get((state.rounds, state.outlook))
                     return int(rounds), outlook / prompt.shape[0]
 
@@ -193,7 +198,7 @@ class Model:
         program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
         costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
         t0 = time.perf_counter()
-        state, nan = program(*self._args(prompt_arr, lens, temperature, seed, costs))
+        state, nan = program(*self._program_args(prompt_arr, lens, temperature, seed, costs))
         n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.width,
                                                               state.rounds))
         elapsed = time.perf_counter() - t0
@@ -221,7 +226,7 @@ class Model:
         rows = len(lens)
         t0 = time.perf_counter()
         costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
-        args = self._args(prompt_arr, lens, temperature, seed)[:6]
+        args = self._args(prompt_arr, lens, temperature, seed)
         with partitioning.use(self.mesh):
             state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=max_len)
         dispatches, seen = 1, np.zeros(rows, np.int64)

@@ -144,7 +144,8 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
                   n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                   accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32),
-                  outlook=(jnp.zeros((1,), jnp.float32) if costs is None else costs[1] * b), since_draft=jnp.int32(0),
+                  outlook=jnp.zeros((max(len(spec.widths), 1),), jnp.float32) if costs is None else costs[1] * b,
+                  since_draft=jnp.int32(0),
                   rounds=jnp.int32(0), key=key, temperature=jnp.asarray(temperature, jnp.float32))
     out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids, max_new)
     return state.replace(out=out, n_out=n_out, done=done), _check_logits(last)
@@ -163,11 +164,15 @@ def draft(params, drafter_params, spec: Spec, state: State):
                         state.cache.lengths, spec.block_size, depth=depth)
 
 
+def _root_only(state: State) -> ddtree.Tree:
+    return ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
+
+
 def build_tree(spec: Spec, state: State, draft_logits) -> ddtree.Tree:
     """The tree to verify, rooted at the bonus token: root only (ar), the argmax chain (dflash), or the
     best-first tree of spec.budget nodes (ddtree; with widths, its best-first prefixes are verified)."""
     if spec.method == "ar":
-        return ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
+        return _root_only(state)
     if spec.method == "dflash":
         return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
     return ddtree.build_tree(state.bonus, draft_logits, spec.budget)
@@ -242,7 +247,8 @@ def plan(state: State, costs) -> jax.Array:
     return (jnp.argmax(rate) > 0) | probe
 
 
-def _finish(params, drafter_params, spec: Spec, state: State, tree: ddtree.Tree, width, keys) -> tuple[State, jax.Array]:
+def _finish(params, drafter_params, spec: Spec, state: State, tree: ddtree.Tree, width,
+            keys) -> tuple[State, jax.Array]:
     """verify -> accept -> commit for a built tree."""
     key, sub = keys
     with jax.named_scope("verify"):
@@ -258,8 +264,7 @@ def _auto_round(params, drafter_params, spec: Spec, state: State, costs, force, 
     widths = spec.widths
 
     def ar_step(state):
-        root = ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
-        new, nan = _finish(params, drafter_params, spec, state, root, 0, keys)
+        new, nan = _finish(params, drafter_params, spec, state, _root_only(state), 0, keys)
         return new.replace(since_draft=state.since_draft + 1), nan
 
     def tree_round(state):

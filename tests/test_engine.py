@@ -112,7 +112,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     spec = model._spec("ddtree", 8, 0.0)
     prompt, lens, max_len = model._layout(model.encode(PROMPTS), 24, spec)
-    args = model._args(prompt, lens, 0.0, 0)[:6]
+    args = model._args(prompt, lens, 0.0, 0)
     state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
     for _ in range(4):
         state, _ = engine.chunk_program(model.params, args[1], state, spec=spec, rounds=1)
@@ -201,18 +201,18 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
     n = len(spec.widths)
     flat = np.ones((2, n), np.float32)
     for force in range(n):
-        state, _ = program(*model._args(prompt, lens, 0.0, 0, flat, force))
+        state, _ = program(*model._program_args(prompt, lens, 0.0, 0, flat, force))
         assert _tokens(state) == ar_tokens, f"width {spec.widths[force]}"
         widths = np.asarray(state.width)[:int(state.rounds)]
         assert set(widths.tolist()) == {spec.widths[force]}
     # Trees nearly free: after the first (prior-planned) round every round drafts and verifies a tree.
     cheap = np.stack([np.asarray([1.0] + [0.01] * (n - 1)), np.asarray([1.0] + [2.0] * (n - 1))]).astype(np.float32)
-    state, _ = program(*model._args(prompt, lens, 0.0, 0, cheap))
+    state, _ = program(*model._program_args(prompt, lens, 0.0, 0, cheap))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] > 0).all()
     # Trees far dearer than AR, and a prior that says so: AR steps, a probe only every PROBE_RATIO x cost.
     dear = np.stack([np.asarray([1.0] + [100.0] * (n - 1)), np.ones(n)]).astype(np.float32)
-    state, _ = program(*model._args(prompt, lens, 0.0, 0, dear))
+    state, _ = program(*model._program_args(prompt, lens, 0.0, 0, dear))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
 

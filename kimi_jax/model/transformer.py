@@ -87,23 +87,25 @@ def _int4_expert_specs(n, e, d, f):
                        s2=ParamSpec((n, e, fp // GROUP_SIZE, d), axes["s2"], "int4", dtype="bfloat16"))
 
 
+def _with_experts(params, experts):
+    """The params tree with its stacked routed experts replaced (everything else shared)."""
+    moe = {**params["moe_layers"]["moe"], "experts": experts}
+    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}
+
+
 def quantize_experts(params, cfg: ModelConfig):
     """A float params tree -> the same tree with INT4 routed experts, and the config that says so."""
     from kimi_jax.quant import Int4Experts
     experts = params["moe_layers"]["moe"]["experts"]
     q = Int4Experts.quantize(experts["gate"], experts["up"], experts["down"])
-    q = jax.tree.map(jnp.asarray, q)
-    moe = {**params["moe_layers"]["moe"], "experts": q}
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}, cfg.replace(int4_experts=True)
+    return _with_experts(params, jax.tree.map(jnp.asarray, q)), cfg.replace(int4_experts=True)
 
 
 def dequantize_experts(params, cfg: ModelConfig):
     """The inverse of quantize_experts: float32 experts with the INT4 values (for HF export and references)."""
     if not cfg.int4_experts:
         return params, cfg
-    experts = params["moe_layers"]["moe"]["experts"].dequantize()
-    moe = {**params["moe_layers"]["moe"], "experts": experts}
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}, cfg.replace(int4_experts=False)
+    return _with_experts(params, params["moe_layers"]["moe"]["experts"].dequantize()), cfg.replace(int4_experts=False)
 
 
 # The XLA path's INT4 experts are expanded once per loaded model when the float copy stays below this.
@@ -122,15 +124,12 @@ def compute_params(params, cfg: ModelConfig):
     from kimi_jax.model.moe import to_compute_layout
     if not cfg.int4_experts or cfg.moe_impl != "xla" or not cfg.num_moe_layers:
         return params
-    experts = params["moe_layers"]["moe"]["experts"]
-    n_values = (experts.w13.size + experts.w2.size) * 8
-    if n_values * jnp.dtype(params["embed"].dtype).itemsize > FLOAT_EXPERTS_MAX_BYTES:
+    experts, dtype = params["moe_layers"]["moe"]["experts"], jnp.dtype(params["embed"].dtype)
+    if (experts.w13.size + experts.w2.size) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:
         return params
-    dtype = params["embed"].dtype
     floats = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))(
         jax.tree.map(jnp.asarray, experts))
-    moe = {**params["moe_layers"]["moe"], "experts": floats}
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}
+    return _with_experts(params, floats)
 
 
 def param_specs(cfg: ModelConfig) -> dict:
