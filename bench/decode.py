@@ -149,7 +149,8 @@ def main(argv=None):
     best = max(fixed, key=lambda r: r["tokens_per_s"])
     auto = next(r for r in rows if r["budget"] == "auto")
     print(f"ddtree auto: {auto['tokens_per_s'] / ar_tps:.2f}x AR, "
-          f"{auto['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed budget ({best['budget']}); widths chosen {auto['widths_chosen']}")
+          f"{auto['tokens_per_s'] / best['tokens_per_s']:.2f}x the best fixed budget ({best['budget']}); "
+          f"widths chosen {auto['widths_chosen']}")
     projection = project_auto(model, prompts)
     for hw, pr in projection.items():
         print(f"  same policy on 8x {hw} (roofline costs, this drafter's outlook): picks width {pr['width']}, "
