@@ -61,8 +61,8 @@ def prompt_windows(tok, path, n, length):
 
 def run_hf(model, prompts, new_tokens, python):
     """Export the weights to HF format and time transformers' greedy generate in a Python with torch."""
-    from kimi_jax.convert import export_hf
     from kimi_jax.model.transformer import dequantize_experts
+    from kimi_jax.weights.convert import export_hf
     with tempfile.TemporaryDirectory() as d:
         params, cfg = dequantize_experts(model.params, model.config)
         export_hf(params, cfg, d, int4=False, prefix="", dtype="float32")
@@ -77,7 +77,7 @@ def run_hf(model, prompts, new_tokens, python):
 
 def project_auto(model, prompts):
     """The auto policy under roofline costs of full K2.6 (TP-8) with this drafter's measured prior outlook."""
-    from kimi_jax import costs
+    from kimi_jax.decoding import costs
     spec, arr, lens, max_len = model._prepare([prompts[0]], 64, "ddtree", "auto", 0.0, None)
     prior = model.cost_table(spec, arr, lens, 64, max_len)[1]
     out = {}
@@ -109,7 +109,7 @@ def main(argv=None):
 
     model = kimi_jax.load(a.target, drafter=a.drafter)
     model = kimi_jax.Model(model.config.replace(eos_token_ids=()), model.params, model.tokenizer, model.drafter)
-    from kimi_jax.corpus import heldout_prompts
+    from kimi_jax.training.corpus import heldout_prompts
     if a.prompt_file:
         prompts, text = prompt_windows(model.tokenizer, a.prompt_file, a.prompts, a.prompt_len), a.prompt_file
     else:

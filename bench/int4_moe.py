@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.pallas.int4_moe import int4_moe
-from kimi_jax.quant import Int4Experts
+from kimi_jax.ops.int4_format import Int4Experts
+from kimi_jax.ops.int4_moe import int4_moe
 
 D, F, TOPK, FULL_EXPERTS = 7168, 2048, 8, 384
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

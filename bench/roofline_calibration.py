@@ -1,5 +1,5 @@
 """Calibrate the roofline on this machine: predict the embedded model's CPU round time from measured CPU
-bandwidth and FLOP rate (kimi_jax.roofline.calibrate_cpu) and compare with the measured round time.
+bandwidth and FLOP rate (kimi_jax.analysis.roofline.calibrate_cpu) and compare with the measured round time.
 
     python -m bench.roofline_calibration [--new-tokens 64] [--budgets 0,16,64]
 
@@ -13,15 +13,13 @@ import argparse
 import json
 import pathlib
 
-import numpy as np
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def main(argv=None):
     import kimi_jax
-    from kimi_jax import roofline
-    from kimi_jax.corpus import heldout_prompts
+    from kimi_jax.analysis import roofline
+    from kimi_jax.training.corpus import heldout_prompts
     p = argparse.ArgumentParser(prog="python -m bench.roofline_calibration")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budgets", default="0,16,64")

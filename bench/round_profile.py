@@ -13,7 +13,7 @@ profiler adds a little time per op, so shares are used, not its absolute duratio
 The verify forward alone is timed at each width (a tree of that many tokens: causal mask, taps on) in a
 fori_loop whose inputs are made loop-variant so XLA cannot hoist the work out of the loop.
 
-Prompt: a 64-token held-out window (kimi_jax.corpus.heldout_prompts), cache sized as bench.decode sizes it
+Prompt: a 64-token held-out window (kimi_jax.training.corpus.heldout_prompts), cache sized as bench.decode sizes it
 for 64 new tokens. Writes bench/results/round_profile_<backend>[_tag].json and docs/round_profile[_tag].png.
 """
 
@@ -100,7 +100,7 @@ def self_times(trace_dir: str) -> dict[str, float]:
 
 
 def profile_round(model, spec, state, dparams, rounds=(5, 25)) -> dict:
-    from kimi_jax import engine
+    from kimi_jax.decoding import engine
     force = np.int32(len(spec.widths) - 1 if spec.widths else -1)
     lowered = engine.steady_rounds_program.lower(model.compute_params, dparams, state, force, np.int32(1), spec=spec)
     compiled = lowered.compile()
@@ -175,8 +175,8 @@ def plot(result, path):
 
 def main(argv=None):
     import kimi_jax
-    from kimi_jax import engine
-    from kimi_jax.corpus import heldout_prompts
+    from kimi_jax.decoding import engine
+    from kimi_jax.training.corpus import heldout_prompts
     p = argparse.ArgumentParser(prog="python -m bench.round_profile")
     p.add_argument("--target", default=str(ROOT / "checkpoints" / "target"))
     p.add_argument("--drafter", default=str(ROOT / "checkpoints" / "drafter"))

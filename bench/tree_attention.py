@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.pallas.tree_attention import dense_reference, latent_attention
+from kimi_jax.ops.tree_attention import dense_reference, latent_attention
 
 
 def main():

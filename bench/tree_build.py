@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import ddtree
+from kimi_jax.decoding import ddtree
 
 CASES = [(4096, n) for n in (16, 64, 256, 1024)] + [(163840, n) for n in (16, 64, 256)]
 

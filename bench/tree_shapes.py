@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import time
 
@@ -40,8 +39,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def draft_log_probs(model, seq: np.ndarray, starts: list[int]) -> np.ndarray:
     """[len(starts), L, V] drafter log-probs at each round start (context seq[:P], bonus seq[P])."""
-    from kimi_jax import drafter as dflash
     from kimi_jax.cache import init_cache
+    from kimi_jax.decoding import drafter as dflash
     from kimi_jax.model.transformer import forward
     c = model.drafter.config
     dp, tp = jax.device_put(model.drafter.params), jax.device_put(model.compute_params)
@@ -69,7 +68,7 @@ def accepted_len(tokens, parents, depths, truth) -> int:
 
 
 def best_first(lp, w):
-    from kimi_jax import ddtree
+    from kimi_jax.decoding import ddtree
     tree = ddtree.build_tree_from_log_probs(jnp.zeros((1,), jnp.int32), jnp.asarray(lp[None]), w)
     valid = np.asarray(tree.valid[0])
     return [np.asarray(a[0])[valid] for a in (tree.tokens, tree.parents, tree.depths)]
@@ -103,7 +102,7 @@ SHAPES = {"best-first": best_first, "chain": chain, "spine+siblings": spine_and_
 
 def main(argv=None):
     import kimi_jax
-    from kimi_jax.corpus import heldout_prompts
+    from kimi_jax.training.corpus import heldout_prompts
     p = argparse.ArgumentParser(prog="python -m bench.tree_shapes")
     p.add_argument("--target", default=str(ROOT / "checkpoints" / "target"))
     p.add_argument("--drafter", default=str(ROOT / "checkpoints" / "drafter"))

@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import checkpoint, engine, partitioning
+from kimi_jax import sharding
 from kimi_jax.config import ModelConfig
-from kimi_jax.engine import GenerationError
+from kimi_jax.decoding import engine
+from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.transformer import compute_params, full_logits
+from kimi_jax.weights import checkpoint
 
 
 @dataclasses.dataclass
@@ -44,7 +46,7 @@ class Model:
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
-        self.drafter = drafter            # kimi_jax.drafter.Drafter or None
+        self.drafter = drafter            # kimi_jax.decoding.drafter.Drafter or None
         self.mesh = mesh
         self._programs = {}
         self._costs = {}
@@ -136,7 +138,7 @@ class Model:
             t0 = time.perf_counter()
             costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
             args = self._program_args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
-            with partitioning.use(self.mesh):
+            with sharding.use(self.mesh):
                 lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
@@ -155,8 +157,8 @@ class Model:
 
     def cost_table(self, spec, prompt, lens, max_new, max_len) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
-        backend (kimi_jax.costs): from memory, the disk cache, or measured now with the generation program."""
-        from kimi_jax import costs
+        backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
+        from kimi_jax.decoding import costs
         key = costs.table_key(spec, prompt.shape[0], max_len)
         if key not in self._costs:
             table = costs.load(key)
@@ -227,7 +229,7 @@ class Model:
         t0 = time.perf_counter()
         costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
         args = self._args(prompt_arr, lens, temperature, seed)
-        with partitioning.use(self.mesh):
+        with sharding.use(self.mesh):
             state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=max_len)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
@@ -238,7 +240,7 @@ class Model:
                 yield chunk
             if done.all() or bool(nan):
                 break
-            with partitioning.use(self.mesh):
+            with sharding.use(self.mesh):
                 state, bad = engine.chunk_program(args[0], args[1], state, costs, spec=spec,
                                                   rounds=rounds_per_dispatch)
             nan = nan | bad
@@ -275,19 +277,19 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     tok = None
     tok_dir = tokenizer or path
     try:
-        from kimi_jax.tokenizer import load_tokenizer
+        from kimi_jax.text.tokenizer import load_tokenizer
         tok = load_tokenizer(tok_dir)
     except (FileNotFoundError, ImportError, ValueError):
         if tokenizer is not None:
             raise
     if mesh is not None:
-        from kimi_jax import partitioning
-        mesh = partitioning.make_mesh(mesh)
-        params = partitioning.shard_params(params, cfg, mesh)
+        from kimi_jax import sharding
+        mesh = sharding.make_mesh(mesh)
+        params = sharding.shard_params(params, cfg, mesh)
     model = Model(cfg, params, tokenizer=tok, mesh=mesh)
     if drafter is not None:
-        from kimi_jax.drafter import load_drafter
+        from kimi_jax.decoding.drafter import load_drafter
         model.drafter = load_drafter(drafter, cfg)
         if mesh is not None:          # the drafter is small: replicated on every device of the mesh
-            model.drafter.params = jax.device_put(model.drafter.params, partitioning.replicated(mesh))
+            model.drafter.params = jax.device_put(model.drafter.params, sharding.replicated(mesh))
     return model

@@ -1,1 +1,1 @@
-"""Sharding-strategy sweeps for kimi_jax: ``python -m sharding.sweep`` (see sharding/README.md)."""
+"""Sharding-strategy sweeps for kimi_jax: ``python -m kimi_jax.analysis.sweep`` (see sharding/README.md)."""

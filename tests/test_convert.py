@@ -1,4 +1,4 @@
-"""HF K2.6-layout import (kimi_jax.convert), export back to HF, and sharded restore (CPU, 8 fake devices)."""
+"""HF K2.6-layout import (kimi_jax.weights.convert), export back to HF, and sharded restore (CPU, 8 fake devices)."""
 
 import json
 import os
@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from kimi_jax import checkpoint
-from kimi_jax import convert
-from kimi_jax.checkpoint import CheckpointError
 from kimi_jax.model.transformer import abstract_params, full_logits, quantize_experts
-from kimi_jax.quant import Int4Experts, quantize_int4
+from kimi_jax.ops.int4_format import Int4Experts, quantize_int4
+from kimi_jax.weights import checkpoint, convert
+from kimi_jax.weights.checkpoint import CheckpointError
 
 BF16 = ml_dtypes.bfloat16
 TOKENS = jnp.array([[3, 17, 200, 45, 9, 120, 77, 5]], jnp.int32)

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from heap_reference import all_prefix_scores, heap_tree, log_softmax32, token_paths, walk_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from heap_reference import all_prefix_scores, heap_tree, log_softmax32, token_paths, walk_reference
-from kimi_jax import ddtree
+from kimi_jax.decoding import ddtree
 
 ROWS = 4
 build = jax.jit(ddtree.build_tree_from_log_probs, static_argnums=2)

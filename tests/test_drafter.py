@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kimi_jax import drafter as dflash
 from kimi_jax.config import preset
+from kimi_jax.decoding import drafter as dflash
 
 TARGET = preset("tiny")
 

@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 import kimi_jax
 from kimi_jax.model.transformer import full_logits
-
-from conftest import FIXTURES
 
 ROOT = FIXTURES.parent.parent
 TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
@@ -24,7 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def heldout(model):
-    from kimi_jax.corpus import heldout_prompts
+    from kimi_jax.training.corpus import heldout_prompts
     return heldout_prompts(model.tokenizer, 2, 48)
 
 
@@ -44,7 +43,7 @@ def test_greedy_ddtree_equals_ar_on_heldout_prompts(model, heldout):
 
 
 def test_heldout_loss_below_model_card_bound(model):
-    from kimi_jax.train import eval_windows, token_stream
+    from kimi_jax.training.target import eval_windows, token_stream
     bound = float(re.search(r"held-out loss < ([0-9.]+)", (TARGET / "MODEL_CARD.md").read_text()).group(1))
     windows = eval_windows(token_stream(model.tokenizer, "heldout"), 256)   # the model card's held-out set
     assert len(windows) > 100

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import kimi_jax
-from kimi_jax import ddtree, drafter as dflash, engine
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import preset
-from kimi_jax.engine import GenerationError
-from kimi_jax.model.transformer import forward, full_logits, init_params
+from kimi_jax.decoding import ddtree, engine
+from kimi_jax.decoding import drafter as dflash
+from kimi_jax.decoding.engine import GenerationError
+from kimi_jax.model.transformer import forward, init_params
 
 CFG = preset("tiny").replace(eos_token_ids=())
 DCFG = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -219,7 +220,7 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
 
 @pytest.mark.slow
 def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_path):
-    from kimi_jax import costs
+    from kimi_jax.decoding import costs
     monkeypatch.setenv("KIMI_JAX_CACHE", str(tmp_path))
     m = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
     spec, _, prompt, lens, max_len = _auto_program(m, PROMPTS[:1], 24)

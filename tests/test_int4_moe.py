@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kimi_jax.pallas.int4_moe import (
+from kimi_jax.ops.int4_format import Int4Experts
+from kimi_jax.ops.int4_moe import (
     PALLAS_BLOCK_M,
     int4_moe,
     int4_moe_reference,
     num_blocks,
     sort_by_expert,
 )
-from kimi_jax.quant import Int4Experts
 
 E, D, F = 8, 256, 64
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

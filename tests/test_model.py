@@ -8,15 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 import kimi_jax
-from kimi_jax import checkpoint
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import ConfigError, ModelConfig, param_count, preset
-from kimi_jax.engine import GenerationError
+from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.transformer import abstract_params, forward, full_logits, init_params
-
-from conftest import FIXTURES
+from kimi_jax.weights import checkpoint
 
 TINY = preset("tiny")
 

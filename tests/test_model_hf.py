@@ -3,15 +3,13 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FIXTURES, HF_FIXTURES
 
 import kimi_jax
-from kimi_jax.checkpoint import load_hf
-from kimi_jax.config import ModelConfig
-from kimi_jax.model.layers import yarn_inv_freq
-from kimi_jax.model.transformer import full_logits, forward
 from kimi_jax.cache import init_cache
-
-from conftest import FIXTURES, HF_FIXTURES
+from kimi_jax.model.layers import yarn_inv_freq
+from kimi_jax.model.transformer import forward, full_logits
+from kimi_jax.weights.checkpoint import load_hf
 
 
 def rel_err(a, b):

@@ -25,6 +25,7 @@ def _cfg():
 
 def _params(cfg):
     import jax
+
     from kimi_jax.model import transformer
     return transformer.init_params(cfg, jax.random.key(0))
 
@@ -36,10 +37,11 @@ def worker(process_id: int, port: int) -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import kimi_jax
-    from kimi_jax import partitioning as part
+    from kimi_jax import sharding as part
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     mesh = part.make_mesh("tp=8")                        # spans both processes' devices

@@ -42,7 +42,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
         pytest.skip(f"the bundled target checkpoint is missing: {TARGET}/kimi_config.json")
     if not (DRAFTER / "drafter_config.json").exists():
         pytest.skip(f"the bundled drafter checkpoint is missing: {DRAFTER}/drafter_config.json "
-                    "(python -m kimi_jax.train_drafter writes it)")
+                    "(python -m kimi_jax.training.drafter writes it)")
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel", reason="the notebook kernel needs ipykernel in this environment")

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kimi_jax
-from kimi_jax import partitioning as part
+from kimi_jax import sharding as part
 from kimi_jax.cache import init_cache
 from kimi_jax.config import KIMI_K26, TINY
 from kimi_jax.model import moe, transformer
@@ -112,7 +112,7 @@ def test_bad_meshes_name_axis_sizes_and_fix():
 
 def test_int4_experts_under_ep_match():
     """INT4 routed experts through the int4_moe kernel path under EP (ids remapped to local experts)."""
-    from kimi_jax.quant import Int4Experts
+    from kimi_jax.ops.int4_format import Int4Experts
     cfg = CFG.replace(int4_experts=True)
     p = jax.tree.map(lambda a: np.asarray(a[0]), params_float_moe())
     p["experts"] = jax.tree.map(jnp.asarray, Int4Experts.quantize(p["experts"]["gate"], p["experts"]["up"],

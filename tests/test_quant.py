@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from kimi_jax.quant import (
+from kimi_jax.ops.int4_format import (
     Int4Experts,
     dequantize_int4,
     dequantize_kernel_layout,

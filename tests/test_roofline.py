@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kimi_jax import roofline as rl
+from kimi_jax.analysis import roofline as rl
 from kimi_jax.config import KIMI_K26, TINY, param_count
 
 GB, MS, US = rl.GB, rl.MS, rl.US

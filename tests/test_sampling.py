@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax import ddtree
+from kimi_jax.decoding import ddtree
 
 V, L, ROWS = 3, 2, 20000
 CHI2_CRIT_26DF_P001 = 54.05          # 99.9% quantile of chi-square with 26 degrees of freedom

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kimi_jax import partitioning as part
+from kimi_jax import sharding as part
+from kimi_jax.analysis import sweep
 from kimi_jax.config import KIMI_K26
 from kimi_jax.model.transformer import abstract_params
-from sharding import sweep
 
 
 @pytest.fixture(scope="module")

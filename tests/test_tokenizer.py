@@ -1,4 +1,4 @@
-"""Tests for kimi_jax.tokenizer and kimi_jax.bpe_train.
+"""Tests for kimi_jax.text.tokenizer and kimi_jax.text.bpe.
 
 The Kimi tokenizer is exercised on a small synthetic ranks file (BPE trained
 here on a few KB of mixed text, written in Kimi's base64-rank format), so no
@@ -16,10 +16,18 @@ import tiktoken
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_jax.bpe_train import CODE_PATTERN, count_words, train_bpe
-from kimi_jax.tokenizer import (
-    KIMI_PATTERN, BPETokenizer, KimiTokenizer, NoChatTemplateError, StreamDecoder,
-    K2_DEFAULT_SYSTEM_PROMPT, load_tokenizer, pretokenize, read_ranks, split_for_tiktoken,
+from kimi_jax.text.bpe import CODE_PATTERN, count_words, train_bpe
+from kimi_jax.text.tokenizer import (
+    K2_DEFAULT_SYSTEM_PROMPT,
+    KIMI_PATTERN,
+    BPETokenizer,
+    KimiTokenizer,
+    NoChatTemplateError,
+    StreamDecoder,
+    load_tokenizer,
+    pretokenize,
+    read_ranks,
+    split_for_tiktoken,
     write_ranks,
 )
 

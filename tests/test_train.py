@@ -5,14 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import corpus
-from kimi_jax import train as T
 from kimi_jax.config import TINY
 from kimi_jax.model.transformer import full_logits, init_params
+from kimi_jax.training import corpus
+from kimi_jax.training import target as T
+from kimi_jax.training.optim import Hyper
 
 CFG = TINY.replace(num_hidden_layers=2, vocab_size=64, rope_original_max_position_embeddings=16)
 STREAM = np.tile(np.arange(64, dtype=np.int32), 40)            # a learnable cyclic sequence
-HP = T.Hyper(lr=1e-2, warmup=2, total=8, bias_gamma=0.01)
+HP = Hyper(lr=1e-2, warmup=2, total=8, bias_gamma=0.01)
 
 
 def test_train_forward_matches_model():

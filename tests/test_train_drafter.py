@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import drafter as dflash
 from kimi_jax.cache import init_cache
 from kimi_jax.config import preset
+from kimi_jax.decoding import drafter as dflash
 from kimi_jax.model.transformer import forward, init_params
-from kimi_jax.train_drafter import block_batch, packed_logits
+from kimi_jax.training.drafter import block_batch, packed_logits
 
 CFG = preset("tiny")
 DCFG = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax import ddtree
 from kimi_jax.config import TINY
+from kimi_jax.decoding import ddtree
 from kimi_jax.model import mla
 from kimi_jax.model.transformer import visibility
-from kimi_jax.pallas.tree_attention import dense_reference, latent_attention
+from kimi_jax.ops.tree_attention import dense_reference, latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 

@@ -59,8 +59,8 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
 
 def attend_tree(q_nope, q_pe, kv, lengths, new_mask, p, cfg: ModelConfig):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the Pallas kernel path
-    (kimi_jax.pallas.tree_attention), which streams the prefix without a dense [b, t, s] mask."""
-    from kimi_jax.pallas.tree_attention import latent_attention
+    (kimi_jax.ops.tree_attention), which streams the prefix without a dense [b, t, s] mask."""
+    from kimi_jax.ops.tree_attention import latent_attention
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=cfg.attn_impl,

@@ -5,8 +5,8 @@ Routing (DeepSeek-V3 / K2): sigmoid scores in float32; the correction bias is ad
 scaled by routed_scaling_factor. The shared expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
-[E, in, out] matrices) take the XLA gather path; INT4 experts (``kimi_jax.quant.Int4Experts``) go to
-``kimi_jax.pallas.int4_moe`` with ``cfg.moe_impl`` choosing the XLA or the Pallas kernel.
+[E, in, out] matrices) take the XLA gather path; INT4 experts (``kimi_jax.ops.int4_format.Int4Experts``) go to
+``kimi_jax.ops.int4_moe`` with ``cfg.moe_impl`` choosing the XLA or the Pallas kernel.
 """
 
 from __future__ import annotations
@@ -84,16 +84,16 @@ def routed_experts(x, ids, weights, experts, cfg: ModelConfig):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [n, d]."""
     if isinstance(experts, (dict, DenseExperts)):
         return float_routed_experts(x, ids, weights, experts).astype(x.dtype)
-    from kimi_jax.pallas.int4_moe import int4_moe
+    from kimi_jax.ops.int4_moe import int4_moe
     return int4_moe(x, ids, weights, experts, impl=cfg.moe_impl).astype(x.dtype)
 
 
 def moe_block(x, p, cfg: ModelConfig):
     """x [..., d] -> [..., d]: routed experts plus the shared expert.
 
-    Under ``kimi_jax.partitioning.use(mesh)`` the block runs in shard_map with the strategy's collectives."""
-    from kimi_jax import partitioning
-    sharded = partitioning.moe_hook(x, p, cfg)
+    Under ``kimi_jax.sharding.use(mesh)`` the block runs in shard_map with the strategy's collectives."""
+    from kimi_jax import sharding
+    sharded = sharding.moe_hook(x, p, cfg)
     if sharded is not None:
         return sharded
     shape = x.shape

@@ -27,7 +27,7 @@ from kimi_jax.model.moe import moe_block
 
 class ParamSpec(NamedTuple):
     shape: tuple[int, ...]
-    axes: tuple[str, ...]      # logical axis names, mapped to mesh axes by kimi_jax.partitioning
+    axes: tuple[str, ...]      # logical axis names, mapped to mesh axes by kimi_jax.sharding
     init: str = "normal"       # "normal" (std 1/sqrt(fan_in)), "ones", "zeros"
     fan_in: int = 1
     dtype: str | None = None   # None: the model dtype
@@ -76,8 +76,8 @@ def _layer_specs(cfg: ModelConfig, n: int, moe: bool) -> dict:
 
 
 def _int4_expert_specs(n, e, d, f):
-    """Int4Experts of n stacked layers in the kernel layout (kimi_jax.quant); initialised by quantising."""
-    from kimi_jax.quant import CHUNK, GROUP_SIZE, Int4Experts
+    """Int4Experts of n stacked layers in the kernel layout (kimi_jax.ops.int4_format); initialised by quantising."""
+    from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, Int4Experts
     dp, fp = -(-d // CHUNK) * CHUNK, -(-f // CHUNK) * CHUNK
     axes = {k: ("layers",) + tuple("experts" if a == "expert" else "expert_mlp" if a == "mlp" else a or "pair"
                                    for a in v) for k, v in Int4Experts.LOGICAL_AXES.items()}
@@ -95,7 +95,7 @@ def _with_experts(params, experts):
 
 def quantize_experts(params, cfg: ModelConfig):
     """A float params tree -> the same tree with INT4 routed experts, and the config that says so."""
-    from kimi_jax.quant import Int4Experts
+    from kimi_jax.ops.int4_format import Int4Experts
     experts = params["moe_layers"]["moe"]["experts"]
     q = Int4Experts.quantize(experts["gate"], experts["up"], experts["down"])
     return _with_experts(params, jax.tree.map(jnp.asarray, q)), cfg.replace(int4_experts=True)

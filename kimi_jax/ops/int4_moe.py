@@ -2,7 +2,7 @@
 
 ``int4_moe(x, topk_idx, topk_weight, experts)`` returns ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) *
 up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in the kernel layout of
-``kimi_jax.quant.Int4Experts`` (K-major int32 words; nibble ``i`` of word row ``32c + j`` = input
+``kimi_jax.ops.int4_format.Int4Experts`` (K-major int32 words; nibble ``i`` of word row ``32c + j`` = input
 ``256c + 32i + j``; bf16 scales ``[K/32, N]``).
 
 **Grouping** (shared by both implementations, plain jnp, static shapes). The ``M = T*k`` (token, slot) pairs are
@@ -44,7 +44,7 @@ the block's expert (gathered by id) and runs the SwiGLU with plain dots; ``bm`` 
 larger blocks amortise the dequantization. Memory stays at one dequantized expert.
 
 ``int4_moe_reference``: the independent oracle for tests. It exports the experts back to the compressed-tensors
-layout, dequantizes every expert with ``quant.dequantize_int4`` and evaluates all experts densely for every
+layout, dequantizes every expert with ``int4_format.dequantize_int4`` and evaluates all experts densely for every
 token in float32 at HIGHEST precision; only for small shapes.
 """
 
@@ -58,7 +58,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.quant import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts, dequantize_int4, dequantize_kernel_layout
+from kimi_jax.ops.int4_format import (
+    CHUNK,
+    GROUP_SIZE,
+    WORD_ROWS,
+    Int4Experts,
+    dequantize_int4,
+    dequantize_kernel_layout,
+)
 
 IMPLS = ("xla", "pallas")
 F32 = jnp.float32

@@ -39,7 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kimi_jax.config import ModelConfig
 
@@ -220,7 +221,7 @@ def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
 def _check_int4(cfg: ModelConfig, mesh: Mesh, st: Strategy):
     if not cfg.int4_experts:
         return
-    from kimi_jax.quant import CHUNK
+    from kimi_jax.ops.int4_format import CHUNK
     n = _axis_size(mesh, st.mesh_axes("expert_mlp", mesh))
     if n > 1:
         fp = -(-cfg.moe_intermediate_size // CHUNK) * CHUNK
@@ -350,7 +351,7 @@ def _local_routed(x, ids, weights, experts, cfg: ModelConfig, ep_axes, mesh):
     if isinstance(experts, dict):
         from kimi_jax.model.moe import float_routed_experts
         return float_routed_experts(x, ids, weights, experts)
-    from kimi_jax.pallas.int4_moe import int4_moe
+    from kimi_jax.ops.int4_moe import int4_moe
     return int4_moe(x, ids, weights, experts, impl=cfg.moe_impl)
 
 
@@ -373,7 +374,7 @@ def sharded_routed_experts(x, ids, weights, experts, cfg: ModelConfig, mesh: Mes
 
     Each device runs its local experts (ids not on it masked to weight 0) on its local expert_mlp slice,
     adds its slice of the shared expert when ``shared`` is given (and sharded over the same axes), then one
-    psum over the sharded axes. INT4 experts go through ``kimi_jax.pallas.int4_moe`` (cfg.moe_impl).
+    psum over the sharded axes. INT4 experts go through ``kimi_jax.ops.int4_moe`` (cfg.moe_impl).
     """
     st = get_strategy(strategy)
     exp_axes, shared_axes = _moe_axes(cfg)

@@ -8,7 +8,7 @@ Every method is the same round, written as five named steps:
 * ``dflash``: the DFlash drafter's argmax block as a single path (chain verification);
 * ``ddtree``: the best-first tree of the most probable prefixes under the drafter's marginals. With a fixed
   ``budget`` the tree has that many nodes; with ``widths`` (the ``budget="auto"`` policy) every round is
-  planned on the device from a calibrated cost table (kimi_jax.costs): either a plain AR step that skips the
+  planned on the device from a calibrated cost table (kimi_jax.decoding.costs): either a plain AR step that skips the
   drafter (``plan``), or a tree built once at the largest width of which the best-first prefix with the most
   expected tokens per second is verified, picked with ``lax.switch`` over the compiled widths, so the choice
   costs no dispatch.
@@ -30,9 +30,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kimi_jax import ddtree
-from kimi_jax.cache import KVCache, commit as commit_cache, init_cache
+from kimi_jax.cache import KVCache, init_cache
+from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig
+from kimi_jax.decoding import ddtree
 from kimi_jax.model.transformer import ForwardOut, forward
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -138,7 +139,7 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     first = _choose(last, spec, temperature, sub)
     drafter = None
     if spec.method != "ar":
-        from kimi_jax import drafter as dflash
+        from kimi_jax.decoding import drafter as dflash
         drafter = dflash.prefill_features(drafter_params, spec.drafter_cfg, params, fwd.taps, prompt_lens,
                                           max_len)
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
@@ -157,7 +158,7 @@ def draft(params, drafter_params, spec: Spec, state: State):
     """The drafter's logits [b, L, vocab] for the L tokens after each row's bonus (None for ar)."""
     if spec.method == "ar":
         return None
-    from kimi_jax import drafter as dflash
+    from kimi_jax.decoding import drafter as dflash
     # A tree of N nodes reaches depth N at most: deeper draft positions are never read.
     depth = min(_draft_len(spec), spec.budget) if spec.method == "ddtree" else _draft_len(spec)
     return dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
@@ -198,7 +199,7 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     cache = commit_cache(r.fwd.cache, r.path, r.path_len)
     drafter = state.drafter
     if spec.method != "ar":
-        from kimi_jax import drafter as dflash
+        from kimi_jax.decoding import drafter as dflash
         drafter = dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter, r.fwd.taps, r.path,
                                          r.path_len, state.cache.lengths)
     accepted_tokens = jnp.take_along_axis(r.tree.tokens, jnp.maximum(r.path[:, 1:], 0), axis=1)

@@ -1,7 +1,7 @@
 """Byte-level BPE trainer producing tiktoken-style mergeable ranks.
 
 Used to build the tokenizer of the small embedded model (see ``BPETokenizer`` in
-``kimi_jax.tokenizer``).  The output is the same format Kimi ships: a mapping
+``kimi_jax.text.tokenizer``).  The output is the same format Kimi ships: a mapping
 ``token bytes -> rank`` where ranks 0..255 are the single bytes and every later
 rank is the concatenation of two tokens with lower ranks.
 
@@ -19,7 +19,7 @@ Algorithm (the classic word-frequency BPE):
 
 Command line (trains and saves a tokenizer directory)::
 
-    python -m kimi_jax.bpe_train --out DIR --vocab-size 4096 FILE_OR_DIR...
+    python -m kimi_jax.text.bpe --out DIR --vocab-size 4096 FILE_OR_DIR...
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import time
 
-    from kimi_jax.tokenizer import BPETokenizer
+    from kimi_jax.text.tokenizer import BPETokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help="text files or directories")

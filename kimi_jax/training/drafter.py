@@ -7,12 +7,11 @@ the context rows before its anchor and its own block, bidirectionally, never ano
 into one drafter forward. The loss weights in-block position k by exp(-(k-1)/gamma). The target's embedding and
 lm_head are shared and frozen; only fc, the norms and the drafter layers train.
 
-    python -m kimi_jax.train_drafter --target checkpoints/target --out checkpoints/drafter
+    python -m kimi_jax.train drafter --target checkpoints/target --out checkpoints/drafter
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -23,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import drafter as dflash
 from kimi_jax.cache import init_cache
+from kimi_jax.decoding import drafter as dflash
 from kimi_jax.model.transformer import forward
-from kimi_jax.train import Hyper, adamw
+from kimi_jax.training.optim import Hyper, adamw
 
 
 def make_sequences(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> np.ndarray:
@@ -94,24 +93,10 @@ def train_step(dparams, opt, target_params, taps, anchors, tokens, positions, la
     return dparams, (mu, nu), loss, acc
 
 
-def main(argv=None):
+def run(a) -> int:
+    """``python -m kimi_jax.train drafter``: target continuations, their taps, training, the drafter checkpoint."""
     import kimi_jax
-    from kimi_jax import corpus
-    p = argparse.ArgumentParser(prog="python -m kimi_jax.train_drafter")
-    p.add_argument("--target", default="checkpoints/target")
-    p.add_argument("--out", default="checkpoints/drafter")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--taps", default="1,2,3")
-    p.add_argument("--sequences", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=192)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=12)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    from kimi_jax.training import corpus
     t0 = time.time()
     model = kimi_jax.load(a.target)
     cfg, tok = model.config, model.tokenizer
@@ -149,7 +134,4 @@ def main(argv=None):
         json.dump({"args": vars(a), "final_loss": float(loss), "final_block_acc": float(acc),
                    "wall_s": time.time() - t0}, f, indent=1)
     print(f"saved {a.out} in {time.time() - t0:.0f}s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

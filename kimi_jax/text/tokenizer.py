@@ -41,7 +41,7 @@ from typing import Any, Collection, Iterable, Iterator, Literal, Sequence
 
 import tiktoken
 
-from kimi_jax.bpe_train import CODE_PATTERN, compile_pattern, train_bpe
+from kimi_jax.text.bpe import CODE_PATTERN, compile_pattern, train_bpe
 
 __all__ = [
     "Tokenizer", "KimiTokenizer", "BPETokenizer", "StreamDecoder", "NoChatTemplateError",

@@ -326,7 +326,7 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32) -> Drafter:
     with open(os.path.join(path, "config.json")) as f:
         c = DrafterConfig.from_hf(json.load(f), target.num_hidden_layers)
     c.check_target(target)
-    from kimi_jax.checkpoint import SafetensorsReader
+    from kimi_jax.weights.checkpoint import SafetensorsReader
     reader = SafetensorsReader(path)
     params = _from_hf_tensors(reader.get, c)
     _check_shapes(params, param_shapes(c))
@@ -342,5 +342,5 @@ def _check_shapes(params, shapes):
 
 
 def save_drafter(path: str, drafter: Drafter):
-    from kimi_jax.checkpoint import write_tree
+    from kimi_jax.weights.checkpoint import write_tree
     write_tree(path, drafter.params, CONFIG_FILE, drafter.config.to_dict())

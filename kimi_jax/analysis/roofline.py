@@ -561,7 +561,7 @@ def format_round_table(ests: list[RoundEstimate], tau: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kimi_jax.roofline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kimi_jax.analysis.roofline", description=__doc__.splitlines()[0])
     p.add_argument("--hardware", default=",".join(DESIGN_HARDWARE),
                    help=f"comma list of {sorted(PROFILES)} or cpu (calibrated now)")
     p.add_argument("--tau", type=float, default=4.0, help="acceptance length (tokens per round)")

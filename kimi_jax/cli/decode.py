@@ -1,0 +1,137 @@
+"""`python -m kimi_jax.decode`: generate from a prompt with AR, DFlash or DDTree decoding.
+
+With no arguments it loads the embedded default (checkpoints/target + checkpoints/drafter) and continues a
+built-in prompt with DDTree. Text streams as rounds are accepted (``--stream``), then one stats line follows.
+Every error is one line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_TARGET = ROOT / "checkpoints" / "target"
+DEFAULT_DRAFTER = ROOT / "checkpoints" / "drafter"
+DEFAULT_PROMPT = ('class Queue:\n    """A first-in, first-out queue."""\n\n    def __init__(self):\n        self.items = []\n\n'
+                  '    def put(self, item):\n')
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                      # one line, not usage + message
+        print(f"kimi_jax.decode: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse(argv):
+    p = _Parser(prog="python -m kimi_jax.decode", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a built-in code prompt)")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--checkpoint", default=str(DEFAULT_TARGET), help="target checkpoint directory")
+    p.add_argument("--drafter", default=None, help="drafter directory ('none' for AR only)")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None)
+    p.add_argument("--budget", default="auto",
+                   help="DDTree node budget: 'auto' (default: the width that maximises expected tokens per second "
+                        "under costs calibrated on this machine, chosen every round) or a number of nodes")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
+    p.add_argument("--stream", action="store_true", help="print text as each chunk of rounds is accepted")
+    p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.budget != "auto":
+        try:
+            args.budget = int(args.budget)
+        except ValueError:
+            p.error(f"--budget must be 'auto' or an integer >= 0, got {args.budget!r}")
+        if args.budget < 0:
+            p.error(f"--budget must be >= 0, got {args.budget}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    return args
+
+
+def _stats_line(stats) -> str:
+    widths = stats.get("width_per_round") or []
+    shown = "" if not widths else ", widths " + " ".join(f"{w}x{widths.count(w)}" for w in sorted(set(widths)))
+    return (f"[{stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s, mean tau "
+            f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds{shown}, {stats['dispatches']} dispatches]")
+
+
+def _persistent_compile_cache():
+    """Keep compiled programs across runs (the auto policy's program takes ~20 s to compile on a CPU), under
+    $KIMI_JAX_CACHE/xla unless the user configured JAX's own cache."""
+    import jax
+    if not jax.config.jax_compilation_cache_dir:
+        from kimi_jax.decoding.costs import cache_root
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
+
+
+def run(argv=None) -> int:
+    args = _parse(argv)
+    _persistent_compile_cache()
+    import kimi_jax
+    from kimi_jax.text.tokenizer import StreamDecoder
+
+    drafter = args.drafter
+    if drafter is None and args.checkpoint == str(DEFAULT_TARGET) and args.method != "ar":
+        drafter = str(DEFAULT_DRAFTER)
+    if drafter == "none" or args.method == "ar":
+        drafter = None
+    if args.prompt_file:
+        if not os.path.exists(args.prompt_file):
+            raise kimi_jax.decoding.engine.GenerationError(f"prompt file {args.prompt_file!r} does not exist")
+        prompt = pathlib.Path(args.prompt_file).read_text()
+    else:
+        prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+
+    model = kimi_jax.load(args.checkpoint, drafter=drafter, mesh=args.mesh)
+    if model.tokenizer is None:
+        raise kimi_jax.decoding.engine.GenerationError(f"{args.checkpoint} has no tokenizer; use the Python API with ids")
+    method = args.method or ("ddtree" if model.drafter is not None else "ar")
+    kw = dict(max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
+              temperature=args.temperature, seed=args.seed)
+
+    if args.stream and not args.json:
+        sys.stdout.write(prompt)
+        decoder = StreamDecoder(model.tokenizer)
+        for item in model.stream(prompt, **kw):
+            if isinstance(item, list):
+                sys.stdout.write(decoder.push(item[0]))
+                sys.stdout.flush()
+            else:
+                result = item
+        sys.stdout.write(decoder.flush() + "\n")
+    else:
+        result = model.generate(prompt, **kw)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "tokens": result.tokens[0], "text": result.text[0],
+                              "method": method, "stats": {k: v for k, v in result.stats.items()}}))
+            return 0
+        print(prompt + result.text[0])
+    print(_stats_line(result.stats), file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    from kimi_jax.config import ConfigError
+    from kimi_jax.decoding.drafter import DrafterError
+    from kimi_jax.decoding.engine import GenerationError
+    from kimi_jax.sharding import ShardingError
+    from kimi_jax.weights.checkpoint import CheckpointError
+    try:
+        return run(argv)
+    except (CheckpointError, ConfigError, DrafterError, GenerationError, ShardingError, OSError) as e:
+        print(f"kimi_jax.decode: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
