@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import sharding
-from kimi_jax.config import ModelConfig
+from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.model.transformer import compute_params, full_logits
+from kimi_jax.model.moe import compute_params
+from kimi_jax.model.transformer import full_logits
 from kimi_jax.weights import checkpoint
 
 
@@ -42,21 +43,23 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 
 class Model:
-    def __init__(self, config: ModelConfig, params, tokenizer=None, drafter=None, mesh=None):
+    def __init__(self, config: ModelConfig, params, tokenizer=None, drafter=None, mesh=None,
+                 runtime: Runtime | None = None):
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
         self.drafter = drafter            # kimi_jax.decoding.drafter.Drafter or None
         self.mesh = mesh
+        self.runtime = (runtime or Runtime()).replace(mesh=mesh)   # kernels + mesh, passed to every program
         self._programs = {}
         self._costs = {}
         self._compute_params = None
 
     @property
     def compute_params(self):
-        """The weights the generation programs run on (``transformer.compute_params``), made once."""
+        """The weights the generation programs run on (``kimi_jax.model.moe.compute_params``), made once."""
         if self._compute_params is None:
-            self._compute_params = self.params if self.mesh is not None else compute_params(self.params, self.config)
+            self._compute_params = compute_params(self.params, self.config, self.runtime)
         return self._compute_params
 
     # ---- inputs ------------------------------------------------------------------------------------------
@@ -86,7 +89,9 @@ class Model:
         rows = self.encode(ids[None] if single else ids)
         if len(rows[0]) > self.config.max_position_embeddings:
             raise GenerationError(f"{len(rows[0])} tokens exceed the context of {self.config.max_position_embeddings}")
-        out = np.asarray(_full_logits(self.params, self.config, jnp.asarray(np.asarray(rows, np.int32))))
+        with sharding.mesh_context(self.mesh):
+            out = np.asarray(_full_logits(self.params, self.config, jnp.asarray(np.asarray(rows, np.int32)),
+                                          rt=self.runtime))
         return out[0] if single else out
 
     # ---- generation --------------------------------------------------------------------------------------
@@ -100,7 +105,7 @@ class Model:
         if temperature < 0 or not np.isfinite(temperature):
             raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
         if method == "ar":
-            return engine.Spec(self.config, "ar", 0, temperature > 0)
+            return engine.Spec(self.config, "ar", 0, temperature > 0, rt=self.runtime)
         if self.drafter is None:
             raise GenerationError(f"method {method!r} needs a drafter: kimi_jax.load(path, drafter=...)")
         block = block_size or self.drafter.config.block_size
@@ -111,19 +116,21 @@ class Model:
             budget = block - 1
         elif budget is None:          # ddtree's default: the cost-model policy over engine.AUTO_WIDTHS
             widths = engine.AUTO_WIDTHS
-            return engine.Spec(self.config, method, max(widths), temperature > 0, self.drafter.config, block, widths)
-        return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block)
+            return engine.Spec(self.config, method, max(widths), temperature > 0, self.drafter.config, block, widths,
+                               rt=self.runtime)
+        return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block,
+                           rt=self.runtime)
 
     def _layout(self, rows, max_new, spec):
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
-        if longest + spec.budget + 2 > context:
-            raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.budget + 1} "
+        if longest + spec.nodes + 2 > context:
+            raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.nodes + 1} "
                                   f"tree tokens in the context of {context}; shorten it or lower the budget")
-        need = longest + max_new + spec.budget + 1
+        need = longest + max_new + spec.nodes + 1
         if need > context:
             raise GenerationError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.budget + 1}) = {need} "
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.nodes + 1}) = {need} "
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
         t = min(_bucket(longest), context)
         max_len = min(_bucket(need, 64), context)
@@ -138,7 +145,7 @@ class Model:
             t0 = time.perf_counter()
             costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
             args = self._program_args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
-            with sharding.use(self.mesh):
+            with sharding.mesh_context(self.mesh):
                 lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
@@ -229,7 +236,7 @@ class Model:
         t0 = time.perf_counter()
         costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
         args = self._args(prompt_arr, lens, temperature, seed)
-        with sharding.use(self.mesh):
+        with sharding.mesh_context(self.mesh):
             state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=max_len)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
@@ -240,7 +247,7 @@ class Model:
                 yield chunk
             if done.all() or bool(nan):
                 break
-            with sharding.use(self.mesh):
+            with sharding.mesh_context(self.mesh):
                 state, bad = engine.chunk_program(args[0], args[1], state, costs, spec=spec,
                                                   rounds=rounds_per_dispatch)
             nan = nan | bad
@@ -255,7 +262,7 @@ def _check_finite(nan_flag):
         raise GenerationError("the model produced NaN logits; check the weights and dtype")
 
 
-_full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form",))
+_full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form", "rt"))
 
 
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None) -> Model:

@@ -47,3 +47,12 @@ def commit(cache: KVCache, path: jax.Array, path_len: jax.Array) -> KVCache:
     moved = cache.kv[:, rows, src]                                    # [layers, batch, width, latent]
     kv = cache.kv.at[:, rows, dst].set(moved, mode="drop")
     return KVCache(kv=kv, lengths=cache.lengths + path_len.astype(jnp.int32))
+
+
+def visibility(lengths, new_mask, max_len):
+    """[b, t, s] key visibility: the committed prefix, plus new rows (slots lengths + j) where new_mask[t, j]."""
+    t = new_mask.shape[1]
+    rel = jnp.arange(max_len)[None, :] - lengths[:, None]                    # [b, s]
+    in_new = (rel >= 0) & (rel < t)
+    new_vis = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, 1), axis=2)
+    return (rel < 0)[:, None, :] | (in_new[:, None, :] & new_vis)

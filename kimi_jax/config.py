@@ -58,9 +58,6 @@ class ModelConfig:
     latent_norm_eps: float = 1e-6
     # Storage: routed experts as compressed-tensors INT4 (group 32), the K2-Thinking/K2.5/K2.6 format.
     int4_experts: bool = False
-    # Runtime choices (not architecture): how routed experts and attention are computed.
-    moe_impl: str = "xla"           # "xla" | "pallas"
-    attn_impl: str = "xla"          # "xla" | "pallas"
     name: str = "custom"
 
     def __post_init__(self):
@@ -78,8 +75,6 @@ class ModelConfig:
             raise ConfigError(f"topk_group={self.topk_group} must lie in [1, n_group={self.n_group}]")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-        if self.moe_impl not in ("xla", "pallas") or self.attn_impl not in ("xla", "pallas"):
-            raise ConfigError(f"moe_impl/attn_impl must be 'xla' or 'pallas', got {self.moe_impl}/{self.attn_impl}")
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
@@ -111,7 +106,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
+        # Checkpoints written before the runtime options left the architecture carry moe_impl/attn_impl.
+        d = {k: v for k, v in d.items() if k not in LEGACY_RUNTIME_FIELDS}
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
@@ -128,6 +124,32 @@ class ModelConfig:
             with open(path) as f:
                 hf = json.load(f)
         return cls(**{**_fields_from_hf(hf), **overrides})
+
+
+LEGACY_RUNTIME_FIELDS = ("moe_impl", "attn_impl")
+IMPLS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """How a model runs, as opposed to what it is (ModelConfig): kernel choices and the device mesh.
+
+    moe_impl / attn_impl: "xla" or "pallas" for the INT4 expert matmul and the tree-verify attention
+    (kimi_jax.ops). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
+    shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
+    ``strategy`` names one. Frozen and hashable, so it travels as a jit static argument.
+    """
+    moe_impl: str = "xla"
+    attn_impl: str = "xla"
+    mesh: Any = None
+    strategy: str | None = None
+
+    def __post_init__(self):
+        if self.moe_impl not in IMPLS or self.attn_impl not in IMPLS:
+            raise ConfigError(f"moe_impl/attn_impl must be one of {IMPLS}, got {self.moe_impl}/{self.attn_impl}")
+
+    def replace(self, **kw) -> "Runtime":
+        return dataclasses.replace(self, **kw)
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -1,6 +1,6 @@
-"""Logical axes -> mesh axes: named sharding strategies, mesh helpers and the sharded MoE block.
+"""Logical axes -> mesh axes: named sharding strategies, meshes, and the shardings of weights and cache.
 
-Every weight declares logical axis names in ``kimi_jax.model.transformer.param_specs`` (layers, vocab, embed,
+Every weight declares logical axis names in ``kimi_jax.model.params.param_specs`` (layers, vocab, embed,
 q_lora, kv_lora, latent, heads, head_dim, mlp, experts, experts_out, expert_mlp, pair); the latent cache is
 ``kv [layers, batch, slots, latent]`` + ``lengths [batch]``. A *strategy* is a table mapping some of those logical
 names to mesh axis names; everything it does not name is replicated. Mesh axes a strategy names but the mesh
@@ -19,11 +19,10 @@ dp_attn    dp=8 or dp=2,tp=4   batch (cache, activations) -> dp; heads -> tp (at
 =========  ==================  ===========================================================================
 
 Attention and dense parts run under plain GSPMD (``jax.jit`` of the model's ``forward`` with these shardings
-on the inputs). The MoE block runs in ``jax.shard_map`` (``sharded_moe_block``): every device computes its local
-experts (EP: ids not local are remapped to local expert 0 with weight 0) on its local F slice (TP) plus its
-slice of the shared expert, then one ``psum`` over the sharded axes, i.e. **one all-reduce per attention block
-and one per MoE block** under ``tp``. The model reaches it through a context (``use(mesh, strategy)``) that
-``kimi_jax.model.moe.moe_block`` consults (see ``moe_hook``).
+on the inputs). The MoE block runs in ``jax.shard_map`` (``kimi_jax.model.moe``, given the mesh explicitly as
+``Runtime.mesh``): every device computes its local experts on its local F slice plus its slice of the shared
+expert, then one ``psum`` over the sharded axes, i.e. **one all-reduce per attention block and one per MoE
+block** under ``tp``. This module imports nothing of the model but its parameter table.
 
 Meshes use ``AxisType.Auto`` so the unannotated forward is partitioned by GSPMD propagation.
 """
@@ -42,7 +41,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kimi_jax.cache import KVCache
 from kimi_jax.config import ModelConfig
+from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
+from kimi_jax.ops.int4_format import CHUNK
 
 AXES = ("tp", "ep", "dp")
 
@@ -198,7 +200,6 @@ def _check_divides(path: str, shape, axes, spec: P, mesh: Mesh):
 
 
 def _spec_leaves(cfg: ModelConfig):
-    from kimi_jax.model.transformer import ParamSpec, param_specs
     specs = param_specs(cfg)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     return specs, flat, treedef
@@ -221,7 +222,6 @@ def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
 def _check_int4(cfg: ModelConfig, mesh: Mesh, st: Strategy):
     if not cfg.int4_experts:
         return
-    from kimi_jax.ops.int4_format import CHUNK
     n = _axis_size(mesh, st.mesh_axes("expert_mlp", mesh))
     if n > 1:
         fp = -(-cfg.moe_intermediate_size // CHUNK) * CHUNK
@@ -252,7 +252,6 @@ def check_batch(batch: int, mesh: Mesh, strategy: str | Strategy | None = None):
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None, batch: int | None = None):
     """KVCache of NamedShardings: kv [layers, batch, slots, latent], lengths [batch]."""
-    from kimi_jax.cache import KVCache
     st = get_strategy(strategy or infer_strategy(mesh))
     if batch is not None:
         check_batch(batch, mesh, st)
@@ -286,7 +285,6 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy 
 def abstract_sharded_params(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None,
                             dtype=jnp.bfloat16):
     """ShapeDtypeStructs with shardings: AOT lowering of the sharded model without allocating weights."""
-    from kimi_jax.model.transformer import abstract_params
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_params(cfg, dtype), param_shardings(cfg, mesh, strategy))
 
@@ -300,203 +298,7 @@ def per_device_bytes(abstract_tree) -> int:
     return total
 
 
-# ---- the model's mesh context and the sharded MoE ------------------------------------------------------------
-
-_CURRENT: list[tuple[Mesh, Strategy]] = []
-
-
-@contextlib.contextmanager
-def use(mesh: Mesh | str | None, strategy: str | Strategy | None = None):
-    """Trace the model under this mesh: MoE blocks run in shard_map (via ``moe_hook``). ``mesh=None``: no-op."""
-    if mesh is None:
-        yield None
-        return
-    mesh = make_mesh(mesh)
-    st = get_strategy(strategy or infer_strategy(mesh))
-    _CURRENT.append((mesh, st))
-    try:
-        with jax.set_mesh(mesh):
-            yield mesh
-    finally:
-        _CURRENT.pop()
-
-
-def current() -> tuple[Mesh, Strategy] | None:
-    return _CURRENT[-1] if _CURRENT else None
-
-
-def moe_hook(x, p, cfg: ModelConfig):
-    """What ``moe_block`` calls first: the sharded block under ``use(mesh)``, else None (single device)."""
-    ctx = current()
-    if ctx is None or ctx[0].size == 1:
-        return None
-    return sharded_moe_block(x, p, cfg, *ctx)
-
-
-def _local_index(axes: tuple[str, ...], mesh: Mesh):
-    idx = jnp.int32(0)
-    for a in axes:
-        idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-    return idx
-
-
-def _local_routed(x, ids, weights, experts, cfg: ModelConfig, ep_axes, mesh):
-    """Inside shard_map: this device's experts (EP) on its F slice (TP); a partial sum over the sharded axes."""
-    if ep_axes:
-        n_local = experts["gate"].shape[-3] if isinstance(experts, dict) else experts.num_experts
-        lo = _local_index(ep_axes, mesh) * n_local
-        local = (ids >= lo) & (ids < lo + n_local)
-        ids = jnp.where(local, ids - lo, 0)
-        weights = jnp.where(local, weights, 0.0)
-    if isinstance(experts, dict):
-        from kimi_jax.model.moe import float_routed_experts
-        return float_routed_experts(x, ids, weights, experts)
-    from kimi_jax.ops.int4_moe import int4_moe
-    return int4_moe(x, ids, weights, experts, impl=cfg.moe_impl)
-
-
-def _layer_specs(tree_axes, mesh, st):
-    return jax.tree.map(lambda axes: logical_to_spec(axes, mesh, st), tree_axes,
-                        is_leaf=lambda a: isinstance(a, tuple) and all(isinstance(s, (str, type(None))) for s in a))
-
-
-def _moe_axes(cfg: ModelConfig):
-    """Per-layer logical axes (no leading 'layers') of the routed experts and the shared expert."""
-    from kimi_jax.model.transformer import _layer_specs as specs
-    moe = specs(cfg, 1, moe=True)["moe"]
-    strip = lambda t: jax.tree.map(lambda s: s.axes[1:], t, is_leaf=lambda s: hasattr(s, "axes"))
-    return strip(moe["experts"]), strip(moe["shared"])
-
-
-def sharded_routed_experts(x, ids, weights, experts, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy,
-                           shared=None):
-    """``routed_experts`` under a mesh: x [n, d], ids/weights [n, k] (replicated) -> [n, d] replicated.
-
-    Each device runs its local experts (ids not on it masked to weight 0) on its local expert_mlp slice,
-    adds its slice of the shared expert when ``shared`` is given (and sharded over the same axes), then one
-    psum over the sharded axes. INT4 experts go through ``kimi_jax.ops.int4_moe`` (cfg.moe_impl).
-    """
-    st = get_strategy(strategy)
-    exp_axes, shared_axes = _moe_axes(cfg)
-    ex_specs = _layer_specs(exp_axes, mesh, st)
-    ep_axes = st.mesh_axes("experts", mesh)
-    sum_axes = tuple(a for a in mesh.axis_names if a in ep_axes + st.mesh_axes("expert_mlp", mesh))
-    with_shared = shared is not None and set(st.mesh_axes("mlp", mesh)) == set(sum_axes)
-    sh_specs = _layer_specs(shared_axes, mesh, st) if with_shared else None
-
-    def body(x, ids, weights, experts, shared):
-        y = _local_routed(x, ids, weights, experts, cfg, ep_axes, mesh)
-        if shared is not None:
-            from kimi_jax.model.layers import swiglu
-            y = y + swiglu(x, shared["gate"], shared["up"], shared["down"]).astype(jnp.float32)
-        y = y.astype(x.dtype)
-        return jax.lax.psum(y, sum_axes) if sum_axes else y
-
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), ex_specs, sh_specs), out_specs=P(),
-                       check_vma=False)
-    y = fn(x, ids, weights, experts, shared if with_shared else None)
-    if shared is not None and not with_shared:
-        from kimi_jax.model.layers import swiglu
-        y = y + swiglu(x, shared["gate"], shared["up"], shared["down"])
-    return y
-
-
-def sharded_moe_block(x, p, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy):
-    """``moe_block`` under a mesh: routing replicated (GSPMD), experts + shared expert in one shard_map and
-    one psum."""
-    from kimi_jax.model.moe import route
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    ids, weights = route(flat, p["router"], p["router_bias"], cfg)
-    y = sharded_routed_experts(flat, ids, weights, p["experts"], cfg, mesh, strategy, shared=p["shared"])
-    return y.reshape(shape)
-
-
-# ---- reading collectives from compiled HLO --------------------------------------------------------------------
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\))?.*\{\s*$")
-
-
-def _shape_bytes(text: str) -> float:
-    total = 0.0
-    for dt, dims in _SHAPE.findall(text):
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += n * _DT_BYTES.get(dt, 4)
-    return total
-
-
-def hlo_collectives(hlo: str) -> dict:
-    """Collectives of an optimized HLO module, weighted by how often each runs.
-
-    Each computation's multiplicity is the sum over its callers of (caller multiplicity x trip count when
-    it is a while body with a ``known_trip_count``); the layer scans are while loops, so a collective in the
-    MoE scan body counts ``num_moe_layers`` times. Bytes are result bytes, at the source dtype for all-reduces
-    that the CPU backend promoted from bf16 to f32. Returns {"per_kind": {kind: {"count", "bytes"}},
-    "sites": [(kind, computation, multiplicity, bytes)]}. Async pairs (``-start``/``-done``) count once.
-    """
-    comps: dict[str, list[str]] = {}
-    entry, cur = None, None
-    for line in hlo.splitlines():
-        s = line.strip()
-        if cur is None:
-            if s.endswith("{") and not s.startswith("HloModule"):
-                m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)", s)
-                if m:
-                    cur = m.group(2)
-                    comps[cur] = []
-                    if m.group(1):
-                        entry = cur
-            continue
-        if s == "}":
-            cur = None
-            continue
-        comps[cur].append(s)
-    calls: dict[str, list[tuple[str, int]]] = {c: [] for c in comps}   # callee -> [(caller, factor)]
-    for c, lines in comps.items():
-        for s in lines:
-            trip = 1
-            if " while(" in s:
-                m = re.search(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)', s)
-                trip = int(m.group(1)) if m else 1
-            for key, braced, single in re.findall(r"\b(body|condition|to_apply|calls|branch_computations|"
-                                                  r"true_computation|false_computation|called_computations)="
-                                                  r"(?:\{([^}]*)\}|%?([\w.\-]+))", s):
-                for name in re.split(r",\s*", braced or single):
-                    name = name.strip().lstrip("%")
-                    if name in calls:
-                        calls[name].append((c, trip if key == "body" else 1))
-    mult: dict[str, int] = {}
-
-    def multiplicity(c, depth=0):
-        if c in mult:
-            return mult[c]
-        if c == entry or depth > 50:
-            mult[c] = 1
-            return 1
-        m = sum(multiplicity(caller, depth + 1) * f for caller, f in calls.get(c, []))
-        mult[c] = m
-        return m
-
-    per_kind = {k: {"count": 0, "bytes": 0.0} for k in COLLECTIVES}
-    sites = []
-    for c, lines in comps.items():
-        for s in lines:
-            m = re.match(r"^%?[\w.\-]+\s*=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                         r"collective-permute)(-start)?\(", s)
-            if not m:
-                continue
-            kind = m.group(2)
-            nbytes = _shape_bytes(m.group(1))
-            if m.group(3):   # async start: result is a tuple (operands, outputs); count the output half
-                nbytes /= 2
-            if kind == "all-reduce" and "_promoted" in s and m.group(1).startswith("f32"):
-                nbytes /= 2  # the CPU backend promotes bf16 all-reduces to f32 (to_apply=..._promoted); GPU keeps bf16
-            k = multiplicity(c)
-            per_kind[kind]["count"] += k
-            per_kind[kind]["bytes"] += k * nbytes
-            sites.append((kind, c, k, nbytes))
-    return {"per_kind": per_kind, "sites": sites}
+def mesh_context(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)`` around a program's trace and launch, or nothing on one device. The model itself
+    gets the mesh explicitly (``Runtime.mesh``); this only tells JAX where unannotated inputs live."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from kimi_jax.model.transformer import abstract_params, full_logits, quantize_experts
+from kimi_jax.model.params import abstract_params, quantize_experts
+from kimi_jax.model.transformer import full_logits
 from kimi_jax.ops.int4_format import Int4Experts, quantize_int4
 from kimi_jax.weights import checkpoint, convert
 from kimi_jax.weights.checkpoint import CheckpointError

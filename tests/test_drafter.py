@@ -78,7 +78,7 @@ def test_drafter_that_does_not_fit_its_target(tmp_path):
 
 def test_block_is_not_causal():
     """Changing a later block slot changes earlier slots' logits (bidirectional inside the block)."""
-    from kimi_jax.model.transformer import init_params
+    from kimi_jax.model.params import init_params
     dc = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=16, intermediate_size=64, vocab_size=256, block_size=4, mask_token_id=255,
                               target_layer_ids=(0,))

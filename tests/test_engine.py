@@ -11,7 +11,8 @@ from kimi_jax.config import preset
 from kimi_jax.decoding import ddtree, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.model.transformer import forward, init_params
+from kimi_jax.model.params import init_params
+from kimi_jax.model.transformer import forward
 
 CFG = preset("tiny").replace(eos_token_ids=())
 DCFG = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -172,7 +173,7 @@ def test_bad_arguments(model, target):
 
 def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
     """attn_impl="pallas" routes verify attention through the Pallas kernel (interpret mode on CPU)."""
-    pallas = kimi_jax.Model(CFG.replace(attn_impl="pallas"), model.params, drafter=model.drafter)
+    pallas = kimi_jax.Model(CFG, model.params, drafter=model.drafter, runtime=kimi_jax.Runtime(attn_impl="pallas"))
     assert pallas.generate(PROMPTS, 24, method="ddtree", budget=8).tokens == ar_tokens
 
 
@@ -198,7 +199,7 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
         patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
     spec, program, prompt, lens, _ = _auto_program(model, PROMPTS, 24)
-    assert spec.widths == engine.AUTO_WIDTHS and spec.budget == max(engine.AUTO_WIDTHS)
+    assert spec.widths == engine.AUTO_WIDTHS and spec.nodes == max(engine.AUTO_WIDTHS)
     n = len(spec.widths)
     flat = np.ones((2, n), np.float32)
     for force in range(n):

@@ -26,8 +26,8 @@ def _cfg():
 def _params(cfg):
     import jax
 
-    from kimi_jax.model import transformer
-    return transformer.init_params(cfg, jax.random.key(0))
+    from kimi_jax.model import params as params_lib
+    return params_lib.init_params(cfg, jax.random.key(0))
 
 
 def worker(process_id: int, port: int) -> None:
@@ -55,8 +55,7 @@ def worker(process_id: int, port: int) -> None:
     # Every process builds the same host weights and contributes its own devices' shards.
     params = jax.device_get(_params(cfg))
     sharded = part.shard_params(params, cfg, mesh, "tp")
-    with part.use(mesh, "tp"):
-        out = kimi_jax.Model(cfg, sharded).generate(PROMPTS, max_new_tokens=MAX_NEW, method="ar")
+    out = kimi_jax.Model(cfg, sharded, mesh=mesh).generate(PROMPTS, max_new_tokens=MAX_NEW, method="ar")
     print("TOKENS " + json.dumps(out.tokens), flush=True)
     jax.distributed.shutdown()
 

@@ -1,5 +1,7 @@
 """Sharding strategies on 8 fake CPU devices: same greedy tokens and logits as one device; clear errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +10,11 @@ from jax.sharding import PartitionSpec as P
 
 import kimi_jax
 from kimi_jax import sharding as part
+from kimi_jax.analysis.hlo import hlo_collectives
 from kimi_jax.cache import init_cache
-from kimi_jax.config import KIMI_K26, TINY
+from kimi_jax.config import KIMI_K26, TINY, Runtime
 from kimi_jax.model import moe, transformer
+from kimi_jax.model import params as params_lib
 
 # Tiny with 8 heads so every strategy can split them 8 ways; float experts (INT4's F=32 cannot be TP-split).
 CFG = TINY.replace(num_attention_heads=8)
@@ -20,7 +24,7 @@ PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 7, 200, 3, 64, 12, 90]]
 
 @pytest.fixture(scope="module")
 def params():
-    return transformer.init_params(CFG, jax.random.key(0))
+    return params_lib.init_params(CFG, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +34,9 @@ def reference(params):
     return tokens, np.asarray(_logits(params, jnp.asarray(PROMPTS, jnp.int32)))
 
 
-@jax.jit
-def _logits(params, tokens):
-    return transformer.forward(params, CFG, tokens, init_cache(CFG, tokens.shape[0], 16)).logits
+@functools.partial(jax.jit, static_argnames="rt")
+def _logits(params, tokens, rt=Runtime()):
+    return transformer.forward(params, CFG, tokens, init_cache(CFG, tokens.shape[0], 16), rt=rt).logits
 
 
 @pytest.mark.parametrize("strategy", list(MESHES))
@@ -44,10 +48,10 @@ def test_strategy_matches_one_device(strategy, params, reference):
     # weights really are split: the routed experts of one device are a fraction of the whole
     gate = sharded["moe_layers"]["moe"]["experts"]["gate"]
     assert gate.addressable_shards[0].data.size < gate.size
-    with part.use(mesh, strategy):
-        tokens = jax.device_put(jnp.asarray(PROMPTS, jnp.int32), part.batch_sharding(mesh, strategy))
-        logits = np.asarray(_logits(sharded, tokens))
-        out = kimi_jax.Model(CFG, sharded).generate(PROMPTS, max_new_tokens=8, method="ar").tokens
+    tokens = jax.device_put(jnp.asarray(PROMPTS, jnp.int32), part.batch_sharding(mesh, strategy))
+    with part.mesh_context(mesh):
+        logits = np.asarray(_logits(sharded, tokens, Runtime(mesh=mesh, strategy=strategy)))
+    out = kimi_jax.Model(CFG, sharded, mesh=mesh).generate(PROMPTS, max_new_tokens=8, method="ar").tokens
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert out == ref_tokens
 
@@ -56,9 +60,9 @@ def test_tp_collectives_one_allreduce_per_block(params):
     """Under tp the compiled forward has 2 all-reduces per layer (attention, MoE/MLP) + 1 for the embedding."""
     mesh = part.make_mesh("tp=8")
     sharded = part.shard_params(params, CFG, mesh)
-    with part.use(mesh):
-        hlo = _logits.lower(sharded, jnp.asarray(PROMPTS, jnp.int32)).compile().as_text()
-    c = part.hlo_collectives(hlo)["per_kind"]
+    with part.mesh_context(mesh):
+        hlo = _logits.lower(sharded, jnp.asarray(PROMPTS, jnp.int32), Runtime(mesh=mesh)).compile().as_text()
+    c = hlo_collectives(hlo)["per_kind"]
     assert c["all-reduce"]["count"] == 2 * CFG.num_hidden_layers + 1
     assert sum(v["count"] for k, v in c.items() if k != "all-reduce") == 0
 
@@ -118,12 +122,11 @@ def test_int4_experts_under_ep_match():
     p["experts"] = jax.tree.map(jnp.asarray, Int4Experts.quantize(p["experts"]["gate"], p["experts"]["up"],
                                                                   p["experts"]["down"]))
     x = jax.random.normal(jax.random.key(2), (6, cfg.hidden_size), jnp.float32)
-    ref = jax.jit(moe.moe_block, static_argnums=2)(x, p, cfg)
-    mesh = part.make_mesh("ep=8")
-    with part.use(mesh, "ep"):
-        got = jax.jit(lambda x, p: part.sharded_moe_block(x, p, cfg, mesh, "ep"))(x, p)
+    ref, _ = jax.jit(moe.moe_block, static_argnums=2)(x, p, cfg)
+    rt = Runtime(mesh=part.make_mesh("ep=8"), strategy="ep")
+    got, _ = jax.jit(moe.moe_block, static_argnums=(2, 3))(x, p, cfg, rt)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
 
 
 def params_float_moe():
-    return jax.jit(lambda k: transformer.init_params(CFG, k)["moe_layers"]["moe"])(jax.random.key(1))
+    return jax.jit(lambda k: params_lib.init_params(CFG, k)["moe_layers"]["moe"])(jax.random.key(1))

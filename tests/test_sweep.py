@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from kimi_jax import sharding as part
 from kimi_jax.analysis import sweep
+from kimi_jax.analysis.hlo import hlo_collectives
 from kimi_jax.config import KIMI_K26
-from kimi_jax.model.transformer import abstract_params
+from kimi_jax.model.params import abstract_params
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %ar2 = f32[4]{0} all-reduce(%a), to_apply=%add
 }
 """
-    c = part.hlo_collectives(hlo)["per_kind"]
+    c = hlo_collectives(hlo)["per_kind"]
     assert c["all-reduce"] == {"count": 61, "bytes": 61 * 16.0}
     assert c["all-gather"] == {"count": 60, "bytes": 60 * 32.0}
 

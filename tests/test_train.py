@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import TINY
-from kimi_jax.model.transformer import full_logits, init_params
+from kimi_jax.model.params import init_params
+from kimi_jax.model.transformer import full_logits
 from kimi_jax.training import corpus
 from kimi_jax.training import target as T
 from kimi_jax.training.optim import Hyper

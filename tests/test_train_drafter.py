@@ -7,7 +7,8 @@ import numpy as np
 from kimi_jax.cache import init_cache
 from kimi_jax.config import preset
 from kimi_jax.decoding import drafter as dflash
-from kimi_jax.model.transformer import forward, init_params
+from kimi_jax.model.params import init_params
+from kimi_jax.model.transformer import forward
 from kimi_jax.training.drafter import block_batch, packed_logits
 
 CFG = preset("tiny")

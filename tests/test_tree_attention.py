@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kimi_jax.cache import visibility
 from kimi_jax.config import TINY
 from kimi_jax.decoding import ddtree
 from kimi_jax.model import mla
-from kimi_jax.model.transformer import visibility
 from kimi_jax.ops.tree_attention import dense_reference, latent_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -53,7 +53,7 @@ def check_all(q, qpe, kv, lengths, mask, scale=0.3, rtol=2e-5, **pallas_kw):
 
 
 # s = 70 is not a multiple of the 16-row key block. lengths: an empty prefix, mid-block, a full cache; in the
-# chain case row 2 has lengths + t > s, so its last 3 tree slots do not exist (transformer.visibility drops them).
+# chain case row 2 has lengths + t > s, so its last 3 tree slots do not exist (kimi_jax.cache.visibility drops them).
 @pytest.mark.parametrize("t,lengths,splits", [
     (1, [0, 23, 69], 5),               # decode, one key block per split
     (6, [0, 33, 67], None),            # chain: causal mask, default splits (2)

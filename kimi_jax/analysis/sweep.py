@@ -12,7 +12,7 @@ sharding (nothing is allocated). Per device it reports:
 * weight bytes (the largest shard of every parameter; INT4 experts at 4.5 bits per weight),
 * latent-cache bytes at 4k/32k/128k/200k context (the cache's shard shape x context),
 * compiler temporaries (``compiled.memory_analysis().temp_size_in_bytes`` at ``COMPILE_CONTEXT``),
-* collectives by kind with count and bytes, read from the optimized HLO (``kimi_jax.sharding.hlo_collectives``:
+* collectives by kind with count and bytes, read from the optimized HLO (``kimi_jax.analysis.hlo.hlo_collectives``:
   a collective inside the layer-scan while body counts once per layer),
 * the roofline round time per hardware profile (``kimi_jax.analysis.roofline.predict_round_time`` at 4k context).
 
@@ -57,15 +57,15 @@ def all_cells(strategies=STRATEGIES, devices=DEVICES, batches=BATCHES, budgets=B
     return [Cell(*c) for c in itertools.product(strategies, devices, batches, budgets)]
 
 
-def _step(params, cache, tokens, positions, new_mask, *, cfg):
+def _step(params, cache, tokens, positions, new_mask, *, cfg, rt):
     from kimi_jax.model.transformer import forward
-    out = forward(params, cfg, tokens, cache, positions=positions, new_mask=new_mask)
+    out = forward(params, cfg, tokens, cache, positions=positions, new_mask=new_mask, rt=rt)
     return out.cache, jax.numpy.argmax(out.logits, axis=-1).astype(jax.numpy.int32)
 
 
 def checkpoint_bytes(cfg) -> tuple[int, int]:
     """(all weights, weights outside the routed experts) in bytes: bf16 + INT4 experts (unsharded)."""
-    from kimi_jax.model.transformer import abstract_params
+    from kimi_jax.model.params import abstract_params
     params = abstract_params(cfg, jax.numpy.bfloat16)
     total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))
     experts = sum(math.prod(a.shape) * a.dtype.itemsize
@@ -77,8 +77,9 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
     """Compile one cell and measure it; {"status": "ok" | "n/a: reason", ...}."""
     from kimi_jax import sharding as part
     from kimi_jax.analysis import roofline
+    from kimi_jax.analysis.hlo import hlo_collectives
     from kimi_jax.cache import KVCache
-    from kimi_jax.config import KIMI_K26
+    from kimi_jax.config import KIMI_K26, Runtime
 
     cfg = cfg or KIMI_K26
     row = dict(dataclasses.asdict(cell), mesh=part.default_mesh_spec(cell.strategy, cell.devices), status="ok")
@@ -101,9 +102,10 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
     positions = sds((b, w), jnp.int32, sharding=act)
     mask = sds((b, w, w), jnp.bool_, sharding=part.batch_sharding(mesh, cell.strategy, 3))
     t0 = time.perf_counter()
-    with part.use(mesh, cell.strategy):
-        step = jax.jit(_step, static_argnames=("cfg",), donate_argnums=(1,))
-        compiled = step.lower(params, cache, tokens, positions, mask, cfg=cfg).compile()
+    rt = Runtime(mesh=mesh, strategy=cell.strategy)
+    with part.mesh_context(mesh):
+        step = jax.jit(_step, static_argnames=("cfg", "rt"), donate_argnums=(1,))
+        compiled = step.lower(params, cache, tokens, positions, mask, cfg=cfg, rt=rt).compile()
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     mem = compiled.memory_analysis()
     row["weight_bytes"] = part.per_device_bytes(params)
@@ -114,7 +116,7 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
         row[f"kv_bytes_{ctx // 1000}k"] = per_slot * ctx
     row["temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
     row["argument_bytes"] = int(getattr(mem, "argument_size_in_bytes", 0) or 0)
-    coll = part.hlo_collectives(compiled.as_text())["per_kind"]
+    coll = hlo_collectives(compiled.as_text())["per_kind"]
     for kind, v in coll.items():
         k = kind.replace("-", "_")
         row[f"{k}_count"], row[f"{k}_bytes"] = int(v["count"]), float(v["bytes"])

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.cache import commit as commit_cache
-from kimi_jax.config import ModelConfig
+from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import ddtree
+from kimi_jax.decoding import drafter as dflash
 from kimi_jax.model.transformer import ForwardOut, forward
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -46,7 +47,7 @@ class GenerationError(ValueError):
 @flax.struct.dataclass
 class State:
     cache: KVCache
-    drafter: object               # drafter feature cache (None for ar)
+    drafter: dflash.FeatureCache | None   # drafter feature cache (None for ar)
     bonus: jax.Array              # [b] int32: emitted, not yet in the cache
     out: jax.Array                # [b, max_new] int32 emitted tokens
     n_out: jax.Array              # [b] int32
@@ -64,11 +65,14 @@ class Spec(NamedTuple):
     """The static description of a generation program (hashable: a jit static argument)."""
     cfg: ModelConfig
     method: str = "ar"
-    budget: int = 0               # tree nodes beyond the root; with `widths`, the largest width
+    # Nodes verified beyond the root per round: ddtree's tree budget (with `widths`, the largest width),
+    # dflash's chain (block_size - 1), 0 for ar.
+    nodes: int = 0
     sample: bool = False          # False: greedy argmax; True: one sample per node at `temperature`
-    drafter_cfg: object = None
+    drafter_cfg: dflash.DrafterConfig | None = None
     block_size: int = 0
     widths: tuple[int, ...] = ()  # ddtree auto: candidate widths, ascending (0 = root only); () = fixed budget
+    rt: Runtime = Runtime()       # kernels and mesh the target runs with
 
 
 class Round(NamedTuple):
@@ -132,14 +136,13 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     key = jax.random.key(seed)
     b = prompt.shape[0]
     cache = init_cache(cfg, b, max_len, params["embed"].dtype)
-    fwd = forward(params, cfg, prompt, cache, taps=_taps(spec))
+    fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), rt=spec.rt)
     cache = KVCache(kv=fwd.cache.kv, lengths=prompt_lens.astype(jnp.int32))
     last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = _choose(last, spec, temperature, sub)
     drafter = None
     if spec.method != "ar":
-        from kimi_jax.decoding import drafter as dflash
         drafter = dflash.prefill_features(drafter_params, spec.drafter_cfg, params, fwd.taps, prompt_lens,
                                           max_len)
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
@@ -158,9 +161,8 @@ def draft(params, drafter_params, spec: Spec, state: State):
     """The drafter's logits [b, L, vocab] for the L tokens after each row's bonus (None for ar)."""
     if spec.method == "ar":
         return None
-    from kimi_jax.decoding import drafter as dflash
     # A tree of N nodes reaches depth N at most: deeper draft positions are never read.
-    depth = min(_draft_len(spec), spec.budget) if spec.method == "ddtree" else _draft_len(spec)
+    depth = min(_draft_len(spec), spec.nodes) if spec.method == "ddtree" else _draft_len(spec)
     return dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
                         state.cache.lengths, spec.block_size, depth=depth)
 
@@ -171,19 +173,19 @@ def _root_only(state: State) -> ddtree.Tree:
 
 def build_tree(spec: Spec, state: State, draft_logits) -> ddtree.Tree:
     """The tree to verify, rooted at the bonus token: root only (ar), the argmax chain (dflash), or the
-    best-first tree of spec.budget nodes (ddtree; with widths, its best-first prefixes are verified)."""
+    best-first tree of spec.nodes nodes (ddtree; with widths, its best-first prefixes are verified)."""
     if spec.method == "ar":
         return _root_only(state)
     if spec.method == "dflash":
         return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
-    return ddtree.build_tree(state.bonus, draft_logits, spec.budget)
+    return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
 
 
 def verify(params, spec: Spec, state: State, tree: ddtree.Tree) -> ForwardOut:
     """The whole tree in one target forward, each node at position P + depth, seeing only its ancestors."""
     positions = state.cache.lengths[:, None] + tree.depths
     return forward(params, spec.cfg, tree.tokens, state.cache, positions=positions,
-                   new_mask=ddtree.ancestor_mask(tree), taps=_taps(spec))
+                   new_mask=ddtree.ancestor_mask(tree), taps=_taps(spec), rt=spec.rt)
 
 
 def accept(spec: Spec, state: State, tree: ddtree.Tree, fwd: ForwardOut, key) -> Round:
@@ -199,7 +201,6 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     cache = commit_cache(r.fwd.cache, r.path, r.path_len)
     drafter = state.drafter
     if spec.method != "ar":
-        from kimi_jax.decoding import drafter as dflash
         drafter = dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter, r.fwd.taps, r.path,
                                          r.path_len, state.cache.lengths)
     accepted_tokens = jnp.take_along_axis(r.tree.tokens, jnp.maximum(r.path[:, 1:], 0), axis=1)

@@ -1,12 +1,18 @@
-"""Mixture of experts: the noaux_tc sigmoid router, routed experts and the shared expert.
+"""Mixture of experts: the noaux_tc sigmoid router, routed experts and the shared expert, on one device or
+sharded over a mesh.
 
 Routing (DeepSeek-V3 / K2): sigmoid scores in float32; the correction bias is added only to *choose* experts
 (group-limited when n_group > 1); the chosen experts are weighted by their unbiased scores, renormalised and
 scaled by routed_scaling_factor. The shared expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
-[E, in, out] matrices) take the XLA gather path; INT4 experts (``kimi_jax.ops.int4_format.Int4Experts``) go to
-``kimi_jax.ops.int4_moe`` with ``cfg.moe_impl`` choosing the XLA or the Pallas kernel.
+[E, in, out] matrices, or ``DenseExperts``) take the XLA path; INT4 experts (``ops.int4_format.Int4Experts``)
+go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the Pallas kernel.
+
+With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
+``jax.shard_map``: every device computes its local experts (EP: ids held elsewhere get weight 0) on its slice of
+the expert intermediate (TP) plus its slice of the shared expert, then one ``psum`` over the sharded axes, i.e.
+one all-reduce per MoE block under ``tp``. The strategy's logical-axis rules live in ``kimi_jax.sharding``.
 """
 
 from __future__ import annotations
@@ -15,15 +21,22 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from kimi_jax.config import ModelConfig
+from kimi_jax import sharding
+from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import swiglu
+from kimi_jax.model.params import layer_specs, with_experts
+from kimi_jax.ops.int4_moe import int4_moe
+
+DEFAULT_RUNTIME = Runtime()
 
 
 def route(x, router, bias, cfg: ModelConfig):
     """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]."""
     scores = jax.nn.sigmoid(x.astype(jnp.float32) @ router.astype(jnp.float32))
-    choice = scores + bias.astype(jnp.float32)
+    # The bias only chooses experts; it is set by the balancing rule (kimi_jax.training), never by gradients.
+    choice = scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
     if cfg.n_group > 1:
         n = choice.shape[0]
         groups = choice.reshape(n, cfg.n_group, -1)
@@ -56,9 +69,12 @@ class DenseExperts:
     down: jax.Array   # [..., E, f, d]
 
 
-def to_compute_layout(experts: dict, cfg: ModelConfig):
-    """Float experts {gate, up: [.., E, d, f], down: [.., E, f, d]} -> the layout routed_experts runs fastest."""
-    if cfg.n_routed_experts > DENSE_EXPERTS_PER_CHOICE * cfg.num_experts_per_tok:
+def to_compute_layout(experts: dict, cfg: ModelConfig, dense: bool | None = None):
+    """Float experts {gate, up: [.., E, d, f], down: [.., E, f, d]} -> the layout routed_experts runs fastest
+    (``dense`` forces the choice: training always takes the dense form, whose backward gathers nothing)."""
+    if dense is None:
+        dense = cfg.n_routed_experts <= DENSE_EXPERTS_PER_CHOICE * cfg.num_experts_per_tok
+    if not dense:
         return experts
     return DenseExperts(gate=jnp.swapaxes(experts["gate"], -3, -2), up=jnp.swapaxes(experts["up"], -3, -2),
                         down=experts["down"])
@@ -80,26 +96,111 @@ def float_routed_experts(x, ids, weights, experts):
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
 
 
-def routed_experts(x, ids, weights, experts, cfg: ModelConfig):
-    """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [n, d]."""
+def _routed_f32(x, ids, weights, experts, rt: Runtime):
     if isinstance(experts, (dict, DenseExperts)):
-        return float_routed_experts(x, ids, weights, experts).astype(x.dtype)
-    from kimi_jax.ops.int4_moe import int4_moe
-    return int4_moe(x, ids, weights, experts, impl=cfg.moe_impl).astype(x.dtype)
+        return float_routed_experts(x, ids, weights, experts)
+    return int4_moe(x, ids, weights, experts, impl=rt.moe_impl).astype(jnp.float32)
 
 
-def moe_block(x, p, cfg: ModelConfig):
-    """x [..., d] -> [..., d]: routed experts plus the shared expert.
+def routed_experts(x, ids, weights, experts, rt: Runtime = DEFAULT_RUNTIME):
+    """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [n, d]."""
+    return _routed_f32(x, ids, weights, experts, rt).astype(x.dtype)
 
-    Under ``kimi_jax.sharding.use(mesh)`` the block runs in shard_map with the strategy's collectives."""
-    from kimi_jax import sharding
-    sharded = sharding.moe_hook(x, p, cfg)
-    if sharded is not None:
-        return sharded
+
+def expert_loads(ids, num_experts: int):
+    """How many of the router's choices went to each expert [E] (what aux-loss-free balancing reads)."""
+    return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
+
+
+def moe_block(x, p, cfg: ModelConfig, rt: Runtime = DEFAULT_RUNTIME):
+    """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E])."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids, weights = route(flat, p["router"], p["router_bias"], cfg)
-    y = routed_experts(flat, ids, weights, p["experts"], cfg)
-    s = p["shared"]
-    y = y + swiglu(flat, s["gate"], s["up"], s["down"])
-    return y.reshape(shape)
+    if rt.mesh is not None and rt.mesh.size > 1:
+        y = _sharded_experts(flat, ids, weights, p, cfg, rt)
+    else:
+        s = p["shared"]
+        y = routed_experts(flat, ids, weights, p["experts"], rt) + swiglu(flat, s["gate"], s["up"], s["down"])
+    return y.reshape(shape), expert_loads(ids, cfg.n_routed_experts)
+
+
+# ---- on a mesh ------------------------------------------------------------------------------------------------
+
+def _num_experts(experts) -> int:
+    if isinstance(experts, dict):
+        return experts["gate"].shape[-3]
+    if isinstance(experts, DenseExperts):
+        return experts.down.shape[-3]
+    return experts.num_experts
+
+
+def _local_index(axes: tuple[str, ...], mesh):
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+    return idx
+
+
+def _per_layer_specs(cfg: ModelConfig, mesh, st: sharding.Strategy):
+    """PartitionSpecs of one layer's routed experts and shared expert (no leading 'layers' axis)."""
+    moe = layer_specs(cfg, 1, moe=True)["moe"]
+    spec = lambda t: jax.tree.map(lambda s: sharding.logical_to_spec(s.axes[1:], mesh, st), t,  # noqa: E731
+                                  is_leaf=lambda s: hasattr(s, "axes"))
+    return spec(moe["experts"]), spec(moe["shared"])
+
+
+def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
+    """Routed + shared experts of x [n, d] (replicated) under rt.mesh -> [n, d] replicated."""
+    mesh = rt.mesh
+    st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(mesh))
+    ex_specs, sh_specs = _per_layer_specs(cfg, mesh, st)
+    ep_axes = st.mesh_axes("experts", mesh)
+    sum_axes = tuple(a for a in mesh.axis_names if a in ep_axes + st.mesh_axes("expert_mlp", mesh))
+    # The shared expert joins the same psum when it is split over exactly the same axes, else it runs outside.
+    with_shared = set(st.mesh_axes("mlp", mesh)) == set(sum_axes)
+    shared = p["shared"]
+
+    def body(x, ids, weights, experts, shared):
+        if ep_axes:
+            n_local = _num_experts(experts)
+            lo = _local_index(ep_axes, mesh) * n_local
+            local = (ids >= lo) & (ids < lo + n_local)
+            ids, weights = jnp.where(local, ids - lo, 0), jnp.where(local, weights, 0.0)
+        y = _routed_f32(x, ids, weights, experts, rt)
+        if shared is not None:
+            y = y + swiglu(x, shared["gate"], shared["up"], shared["down"]).astype(jnp.float32)
+        y = y.astype(x.dtype)
+        return jax.lax.psum(y, sum_axes) if sum_axes else y
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), ex_specs, sh_specs if with_shared else None),
+                       out_specs=P(), check_vma=False)
+    y = fn(x, ids, weights, p["experts"], shared if with_shared else None)
+    if not with_shared:
+        y = y + swiglu(x, shared["gate"], shared["up"], shared["down"])
+    return y
+
+
+# ---- the layout the programs compute with ---------------------------------------------------------------------
+
+# The XLA path's INT4 experts are expanded once per loaded model when the float copy stays below this.
+FLOAT_EXPERTS_MAX_BYTES = 1 << 30
+
+
+def compute_params(params, cfg: ModelConfig, rt: Runtime = DEFAULT_RUNTIME):
+    """The weights the generation programs compute with (made once per loaded model by kimi_jax.api).
+
+    On the XLA MoE path INT4 experts are unpacked inside every forward, once per touched expert: on a CPU that
+    unpacking, not the matmuls, was most of a decode step. When the float copy is small (the embedded default:
+    4.7 MB) it is made once, with exactly the INT4 values, so the programs only multiply; with few experts per
+    choice it is laid out for the dense form (``DenseExperts``). The Pallas path (GPU) keeps streaming INT4,
+    and large or sharded models keep the per-expert unpacking.
+    """
+    if not cfg.int4_experts or rt.moe_impl != "xla" or rt.mesh is not None or not cfg.num_moe_layers:
+        return params
+    experts, dtype = params["moe_layers"]["moe"]["experts"], jnp.dtype(params["embed"].dtype)
+    if (experts.w13.size + experts.w2.size) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:
+        return params
+    floats = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))(
+        jax.tree.map(jnp.asarray, experts))
+    return with_experts(params, floats)

@@ -8,7 +8,7 @@ dense oracle.
 * ``kv [b,s,r+p]``: latent rows ``[c_kv (r) | k_pe (p)]``. The new tokens' rows are already written at slots
   ``lengths + j`` (j < t);
 * key ``s`` is visible to new token ``i`` iff ``s < lengths[b]`` (committed prefix) or
-  ``s = lengths[b] + j`` with ``new_mask[b, i, j]`` (``transformer.visibility``; slots past the cache end do not
+  ``s = lengths[b] + j`` with ``new_mask[b, i, j]`` (``kimi_jax.cache.visibility``; slots past the cache end do not
   exist);
 * ``o_lat[b,i,h] = sum_s softmax_s(scale * (q_lat·c_kv[s] + q_pe·k_pe[s])) c_kv[s]`` (K = V = latent rows).
 
@@ -69,6 +69,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kimi_jax.cache import visibility
+
 IMPLS = ("xla", "pallas")
 F32 = jnp.float32
 MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
@@ -102,8 +104,6 @@ def _cdiv(a, b):
 
 def dense_reference(q_lat, q_pe, kv, lengths, new_mask, scale: float):
     """The oracle: one softmax over the dense [b, t, s] visibility mask, as ``mla.attend_absorbed`` computes it."""
-    from kimi_jax.model.transformer import visibility
-
     # Inputs upcast (exact) so that XLA:CPU never needs a bf16 x bf16 -> f32 dot, which its DotThunk lacks for
     # some shapes; the probabilities are still rounded to the cache dtype as attend_absorbed does.
     r = q_lat.shape[-1]

@@ -1,4 +1,4 @@
-"""Training of the embedded default target model (DESIGN.md section 6).
+"""Training of the embedded default target model.
 
     python -m kimi_jax.train target [--steps N] [--batch 16] [--seq-len 256] ...
 
@@ -9,17 +9,14 @@ opens. Rerunning the same command resumes from the latest train state (params, A
 in ``--state-dir``; the data order is a function of (seed, step) only, so a resumed run sees the same
 batches as an uninterrupted one.
 
-Model code is reused, not duplicated: ``train_forward`` composes the building blocks of
-``kimi_jax.model`` (rms_norm, mla.queries / latent_rows / attend_full / output, swiglu, moe.route) exactly as
-``transformer._layer`` does, with the only difference that it also returns each MoE layer's expert loads
-(counts of the router's choices, which the aux-loss-free balancing needs) and computes the routed experts as
-a dense, combine-weighted sum over all experts (mathematically ``moe.routed_experts``, but with no per-token
-weight gathers, whose backward is far slower on CPU). tests/test_train.py checks its logits against
+The training forward is the serving forward (``transformer.causal_forward``, full-form attention), which also
+returns each MoE layer's expert loads (counts of the router's choices, which the aux-loss-free balancing
+needs); the routed experts run in the dense layout. tests/test_train.py checks its logits against
 ``transformer.full_logits``.
 
 Load balancing is DeepSeek-V3's auxiliary-loss-free rule: after each step, for every MoE layer,
 ``bias_e += gamma * sign(mean_load - load_e)`` with the loads of that step's batch; the router bias gets no
-gradient and no weight decay. The optimiser is a small AdamW written here (optax is not a dependency).
+gradient and no weight decay. The optimiser: ``kimi_jax.training.optim``.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model import mla
-from kimi_jax.model.layers import rms_norm, swiglu, yarn_inv_freq
-from kimi_jax.model.moe import route
+from kimi_jax.model.moe import to_compute_layout
+from kimi_jax.model.transformer import causal_forward
 from kimi_jax.training import corpus
 from kimi_jax.training.optim import Hyper, adamw, lr_at
 
@@ -106,55 +102,17 @@ def eval_windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
 
 # ---- training forward --------------------------------------------------------------------------------------
 
-def dense_routed_experts(x, ids, weights, experts, n_experts: int):
-    """sum_k weights[:, k] * expert_{ids[:, k]}(x), computed densely over all experts (= moe.routed_experts)."""
-    combine = jnp.zeros((x.shape[0], n_experts), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    g = jnp.einsum("nd,edf->nef", x, experts["gate"])
-    u = jnp.einsum("nd,edf->nef", x, experts["up"])
-    h = jax.nn.silu(g) * u * combine[:, :, None].astype(x.dtype)
-    return jnp.einsum("nef,efd->nd", h, experts["down"])
-
-
 def train_forward(params, cfg: ModelConfig, tokens):
-    """Causal forward over tokens [b, t] -> (logits [b, t, V] float32, expert loads [n_moe_layers, E])."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    inv_freq = yarn_inv_freq(cfg)
+    """Causal forward over tokens [b, t] -> (logits [b, t, V] float32, expert loads [n_moe_layers, E]).
 
-    def attention(x, lp):
-        p = lp["attn"]
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
-        rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
-        x = x + mla.output(mla.attend_full(q_nope, q_pe, rows, visible, p, cfg), p)
-        return x, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-
-    def dense_body(x, lp):
-        x, h = attention(x, lp)
-        m = lp["mlp"]
-        return x + swiglu(h, m["gate"], m["up"], m["down"]), None
-
-    def moe_body(x, lp):
-        x, h = attention(x, lp)
-        m = lp["moe"]
-        flat = h.reshape(-1, h.shape[-1])
-        ids, weights = route(flat, m["router"], jax.lax.stop_gradient(m["router_bias"]), cfg)
-        y = dense_routed_experts(flat, ids, weights, m["experts"], cfg.n_routed_experts)
-        s = m["shared"]
-        y = y + swiglu(flat, s["gate"], s["up"], s["down"])
-        load = jnp.zeros((cfg.n_routed_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
-        return x + y.reshape(h.shape), load
-
-    x = params["embed"][tokens]
-    if cfg.first_k_dense_replace:
-        x, _ = jax.lax.scan(dense_body, x, params["dense_layers"])
-    loads = jnp.zeros((0, cfg.n_routed_experts), jnp.float32)
-    if cfg.num_moe_layers:
-        x, loads = jax.lax.scan(moe_body, x, params["moe_layers"])
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, loads
+    The serving forward itself (full-form attention); the routed experts in the dense layout
+    (``moe.to_compute_layout``: every token through every expert, weighted by its routing coefficient), whose
+    backward has no per-token weight gathers, which are slow to differentiate on a CPU."""
+    moe = params["moe_layers"]["moe"]
+    dense = {**params, "moe_layers": {**params["moe_layers"],
+                                      "moe": {**moe, "experts": to_compute_layout(moe["experts"], cfg, dense=True)}}}
+    out = causal_forward(dense, cfg, tokens, attn_form="full")
+    return out.logits, out.loads
 
 
 def cross_entropy(logits, targets):
@@ -269,7 +227,7 @@ def train(cfg: ModelConfig, stream: np.ndarray, *, steps: int, batch: int, seq_l
           hp: Hyper, state_dir: str | None = None, save_every: int = 100, log_every: int = 10,
           log=print, init_scale: float = 1.0):
     """Train (resuming from state_dir when it holds a state); returns the final state and the loss history."""
-    from kimi_jax.model.transformer import init_params
+    from kimi_jax.model.params import init_params
     state = init_state(init_params(cfg, jax.random.PRNGKey(seed), jnp.float32, init_scale))
     if state_dir and (path := latest_state(state_dir)):
         state, saved_seed = load_state(path, state)
@@ -360,7 +318,7 @@ def run(args) -> int:
         f"{args.save_dtype} {held_saved:.4f}")
     if args.int4:
         # The shipped format: routed experts as compressed-tensors INT4 (group 32), the rest in save_dtype.
-        from kimi_jax.model.transformer import quantize_experts
+        from kimi_jax.model.params import quantize_experts
         saved, cfg = quantize_experts(jax.tree.map(np.asarray, saved), cfg)
         held_int4 = evaluate_model(saved, cfg, windows, args.batch)
         log(f"held-out loss with INT4 experts: {held_int4:.4f} (float {held_saved:.4f})")

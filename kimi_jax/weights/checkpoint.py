@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.transformer import ParamSpec, param_specs
+from kimi_jax.model.params import ParamSpec, param_specs
 
 CONFIG_FILE = "kimi_config.json"
 PARAMS_DIR = "params"

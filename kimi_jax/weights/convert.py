@@ -49,7 +49,7 @@ import ml_dtypes
 import numpy as np
 
 from kimi_jax.config import ConfigError, ModelConfig
-from kimi_jax.model.transformer import param_specs
+from kimi_jax.model.params import param_specs
 from kimi_jax.ops.int4_format import GROUP_SIZE, Int4Experts, quantize_int4
 from kimi_jax.weights import checkpoint as ckpt
 from kimi_jax.weights.checkpoint import CheckpointError, SafetensorsReader
