@@ -62,7 +62,7 @@ def prompt_windows(tok, path, n, length):
 def run_hf(model, prompts, new_tokens, python):
     """Export the weights to HF format and time transformers' greedy generate in a Python with torch."""
     from kimi_jax.model.params import dequantize_experts
-    from kimi_jax.weights.convert import export_hf
+    from kimi_jax.weights.export import export_hf
     with tempfile.TemporaryDirectory() as d:
         params, cfg = dequantize_experts(model.params, model.config)
         export_hf(params, cfg, d, int4=False, prefix="", dtype="float32")

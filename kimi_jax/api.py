@@ -27,7 +27,9 @@ from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.moe import compute_params
 from kimi_jax.model.transformer import full_logits
-from kimi_jax.weights import checkpoint
+from kimi_jax.text.tokenizer import load_tokenizer
+from kimi_jax.weights import checkpoint, hf
+from kimi_jax.weights.drafter import load_drafter
 
 
 @dataclasses.dataclass
@@ -265,37 +267,40 @@ def _check_finite(nan_flag):
 _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form", "rt"))
 
 
-def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None) -> Model:
-    """Load a kimi_jax checkpoint (orbax) or an HF checkpoint directory (float weights).
+def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None,
+         runtime: Runtime | None = None) -> Model:
+    """Load a kimi_jax checkpoint (orbax, stacked or layered) or an HF checkpoint directory (float or
+    compressed-tensors INT4: K2.6 as published), optionally with a DFlash drafter.
 
-    dtype casts the floating weights (INT4 experts stay INT4). The default keeps the stored dtype, except on
-    the CPU, where XLA's float32 matmuls are faster and exact enough to compare against references.
+    ``mesh`` (a Mesh or "tp=8"-style string): the weights' shardings are chosen first and every layer is read
+    straight onto them (the host holds about one layer at a time). ``dtype`` casts the floating weights (INT4
+    experts stay INT4); the default keeps the stored dtype, except on the CPU, where XLA's float32 matmuls are
+    faster and exact enough to compare against references. ``runtime``: kernel choices (kimi_jax.Runtime).
     """
     if dtype is None and jax.default_backend() == "cpu":
         dtype = jnp.float32
     if not os.path.isdir(path):
         raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
+    mesh = None if mesh is None else sharding.make_mesh(mesh)
     if checkpoint.is_kimi_checkpoint(path):
-        cfg, params = checkpoint.restore(path, dtype=dtype)
-    elif os.path.exists(os.path.join(path, "config.json")):
-        cfg, params = checkpoint.load_hf(path, dtype=dtype or jnp.float32)
+        cfg = checkpoint.read_config(path)
+        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+        cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype)
+    elif hf.is_hf_checkpoint(path):
+        source = hf.HFCheckpoint(path)
+        cfg = source.config
+        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+        params = hf.stack_from(source, shardings, dtype or jnp.float32)
     else:
         raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
     tok = None
-    tok_dir = tokenizer or path
     try:
-        from kimi_jax.text.tokenizer import load_tokenizer
-        tok = load_tokenizer(tok_dir)
+        tok = load_tokenizer(tokenizer or path)
     except (FileNotFoundError, ImportError, ValueError):
         if tokenizer is not None:
             raise
-    if mesh is not None:
-        from kimi_jax import sharding
-        mesh = sharding.make_mesh(mesh)
-        params = sharding.shard_params(params, cfg, mesh)
-    model = Model(cfg, params, tokenizer=tok, mesh=mesh)
+    model = Model(cfg, params, tokenizer=tok, mesh=mesh, runtime=runtime)
     if drafter is not None:
-        from kimi_jax.decoding.drafter import load_drafter
         model.drafter = load_drafter(drafter, cfg)
         if mesh is not None:          # the drafter is small: replicated on every device of the mesh
             model.drafter.params = jax.device_put(model.drafter.params, sharding.replicated(mesh))

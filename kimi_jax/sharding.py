@@ -205,15 +205,12 @@ def _spec_leaves(cfg: ModelConfig):
     return specs, flat, treedef
 
 
-def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy) -> Any:
-    """PartitionSpec of every weight (same tree as ``param_specs``), checking that the mesh divides them."""
-    st = get_strategy(strategy)
+def _partition_specs(cfg: ModelConfig, mesh: Mesh, st: Strategy) -> Any:
     _, flat, treedef = _spec_leaves(cfg)
     out = []
     for path, s in flat:
-        name = jax.tree_util.keystr(path)
         spec = logical_to_spec(s.axes, mesh, st)
-        _check_divides(name, s.shape, s.axes, spec, mesh)
+        _check_divides(jax.tree_util.keystr(path), s.shape, s.axes, spec, mesh)
         out.append(spec)
     _check_int4(cfg, mesh, st)
     return jax.tree.unflatten(treedef, out)
@@ -222,14 +219,44 @@ def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
 def _check_int4(cfg: ModelConfig, mesh: Mesh, st: Strategy):
     if not cfg.int4_experts:
         return
-    n = _axis_size(mesh, st.mesh_axes("expert_mlp", mesh))
+    axes = st.mesh_axes("expert_mlp", mesh)
+    n = _axis_size(mesh, axes)
     if n > 1:
         fp = -(-cfg.moe_intermediate_size // CHUNK) * CHUNK
         if fp % n or (fp // n) % CHUNK:
             raise ShardingError(
-                f"mesh {format_mesh(mesh)}: INT4 experts need each device's slice of moe_intermediate_size "
-                f"({cfg.moe_intermediate_size}, padded {fp}) split {n} ways to be a multiple of {CHUNK}; use a "
-                f"smaller tp for the experts, strategy 'ep', or float experts")
+                f"mesh {format_mesh(mesh)}: strategy {st.name} splits the INT4 experts' intermediate size "
+                f"({cfg.moe_intermediate_size}, padded to {fp}) over {'x'.join(axes)} = {n} devices, but the INT4 "
+                f"kernel needs each device's slice to be a multiple of {CHUNK} (expert intermediate >= "
+                f"{CHUNK * n}); split whole experts instead (ep) or use float experts")
+
+
+def fitting_meshes(cfg: ModelConfig, device_counts=(2, 4, 8)) -> list[str]:
+    """Each strategy's default mesh at these device counts, where it shards this model."""
+    fits = []
+    for n in device_counts:
+        for name in STRATEGIES:
+            axes = parse_mesh(default_mesh_spec(name, n))
+            spec = format_mesh({k: v for k, v in axes.items() if v > 1} or axes)
+            if spec in fits:
+                continue
+            try:
+                _partition_specs(cfg, jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes)), STRATEGIES[name])
+            except ShardingError:
+                continue
+            fits.append(spec)
+    return fits
+
+
+def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy) -> Any:
+    """PartitionSpec of every weight (same tree as ``param_specs``), checking that the mesh divides them; when it
+    does not, the error also lists the meshes of 2-8 devices that do fit."""
+    try:
+        return _partition_specs(cfg, mesh, get_strategy(strategy))
+    except ShardingError as e:
+        fits = fitting_meshes(cfg)
+        raise ShardingError(f"{e}. This model fits: {', '.join(fits) if fits else 'no mesh of 2, 4 or 8 devices'}"
+                            ) from None
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None) -> Any:

@@ -16,10 +16,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+import kimi_jax
 from kimi_jax.model.params import abstract_params, quantize_experts
 from kimi_jax.model.transformer import full_logits
 from kimi_jax.ops.int4_format import Int4Experts, quantize_int4
-from kimi_jax.weights import checkpoint, convert
+from kimi_jax.weights import checkpoint, convert, export, hf
 from kimi_jax.weights.checkpoint import CheckpointError
 
 BF16 = ml_dtypes.bfloat16
@@ -35,11 +36,11 @@ def _weight_map(d):
 @pytest.fixture(scope="module")
 def k26(tmp_path_factory, fixtures_dir):
     """The hf_k25 fixture rewritten in K2.6's exact on-disk layout (INT4 experts, bf16 rest, shards + index)."""
-    cfg, params = checkpoint.load_hf(str(fixtures_dir / "hf_k25"))
+    cfg, params = hf.load(str(fixtures_dir / "hf_k25"))
     qparams, qcfg = quantize_experts(params, cfg)
     d = str(tmp_path_factory.mktemp("k26"))
-    convert.export_hf(qparams, qcfg, d, int4=True, prefix=PRE, dtype=jnp.bfloat16, max_shard_bytes=40_000,
-                      kimi_k25_wrapper=True, ignore=convert.K26_IGNORE)
+    export.export_hf(qparams, qcfg, d, int4=True, prefix=PRE, dtype=jnp.bfloat16, max_shard_bytes=40_000,
+                      kimi_k25_wrapper=True, ignore=export.K26_IGNORE)
     return {"dir": d, "cfg": cfg, "params": params, "qparams": qparams, "qcfg": qcfg}
 
 
@@ -54,7 +55,7 @@ def test_k26_layout_on_disk(k26):
     d = k26["dir"]
     conf = json.load(open(os.path.join(d, "config.json")))
     assert conf["model_type"] == "kimi_k25" and conf["text_config"]["model_type"] == "kimi_k2"
-    assert conf["quantization_config"]["ignore"] == convert.K26_IGNORE
+    assert conf["quantization_config"]["ignore"] == export.K26_IGNORE
     wm = _weight_map(d)
     assert len(set(wm.values())) >= 3 and all(k.startswith(PRE) for k in wm)
     name = PRE + "model.layers.1.mlp.experts.3.gate_proj"
@@ -126,8 +127,8 @@ def test_killed_midway_then_resume_is_identical(k26, converted, tmp_path):
     ref_dir = converted[0]
     assert open(os.path.join(out, "kimi_config.json"), "rb").read() == \
         open(os.path.join(ref_dir, "kimi_config.json"), "rb").read()
-    a = checkpoint._flat(checkpoint.restore(out)[1])
-    b = checkpoint._flat(checkpoint.restore(ref_dir)[1])
+    a = checkpoint.flat(checkpoint.restore(out)[1])
+    b = checkpoint.flat(checkpoint.restore(ref_dir)[1])
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype, k
@@ -151,7 +152,7 @@ def test_truncated_shard_names_it_and_keeps_done_layers(k26, tmp_path):
         convert.convert_hf(d, out, progress=False)
     work = os.path.join(out, convert.WORK_DIR)
     assert sorted(x for x in os.listdir(work) if x.startswith("layer_")) == ["layer_000", "layer_001"]
-    layer0 = convert._restore_tree(os.path.join(work, "layer_000"))
+    layer0 = jax.tree.map(np.asarray, checkpoint.restore_tree(os.path.join(work, "layer_000")))
     want = np.asarray(k26["params"]["dense_layers"]["attn"]["q_a"][0]).astype(BF16)
     np.testing.assert_array_equal(layer0["attn"]["q_a"].view(np.uint16), want.view(np.uint16))
 
@@ -173,13 +174,13 @@ def test_bad_tensor_is_named(k26, tmp_path, tensor, make_bad, match):
 
 
 def test_ignore_list_semantics():
-    ign = convert.K26_IGNORE
-    assert convert.is_ignored("language_model.model.layers.1.self_attn.q_a_proj", ign)
-    assert convert.is_ignored("language_model.model.layers.0.mlp.gate_proj", ign)
-    assert convert.is_ignored("language_model.model.layers.3.mlp.shared_experts.down_proj", ign)
-    assert convert.is_ignored("language_model.lm_head", ign)
-    assert not convert.is_ignored("language_model.model.layers.1.mlp.experts.7.gate_proj", ign)
-    assert convert.is_ignored("lm_head", ["lm_head"]) and not convert.is_ignored("language_model.lm_head", ["lm_head"])
+    ign = export.K26_IGNORE
+    assert hf.is_ignored("language_model.model.layers.1.self_attn.q_a_proj", ign)
+    assert hf.is_ignored("language_model.model.layers.0.mlp.gate_proj", ign)
+    assert hf.is_ignored("language_model.model.layers.3.mlp.shared_experts.down_proj", ign)
+    assert hf.is_ignored("language_model.lm_head", ign)
+    assert not hf.is_ignored("language_model.model.layers.1.mlp.experts.7.gate_proj", ign)
+    assert hf.is_ignored("lm_head", ["lm_head"]) and not hf.is_ignored("language_model.lm_head", ["lm_head"])
 
 
 def test_cli_error_is_one_line(tmp_path):
@@ -195,13 +196,13 @@ def test_cli_error_is_one_line(tmp_path):
 def test_export_float_roundtrip(k26, tmp_path):
     """int4=False, prefix='' (the transformers-loadable form) reads back with load_hf to the same weights."""
     d = str(tmp_path / "hf")
-    convert.export_hf(k26["params"], k26["cfg"], d, int4=False, prefix="")
+    export.export_hf(k26["params"], k26["cfg"], d, int4=False, prefix="")
     conf = json.load(open(os.path.join(d, "config.json")))
     assert conf["model_type"] == "deepseek_v3" and "quantization_config" not in conf
     assert conf["rope_scaling"]["factor"] == k26["cfg"].rope_factor
-    cfg2, p2 = checkpoint.load_hf(d)
+    cfg2, p2 = hf.load(d)
     assert cfg2.replace(name=k26["cfg"].name) == k26["cfg"]
-    a, b = checkpoint._flat(p2), checkpoint._flat(k26["params"])
+    a, b = checkpoint.flat(p2), checkpoint.flat(k26["params"])
     for k in b:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
@@ -254,8 +255,8 @@ def test_layered_equals_stacked(converted, tmp_path):
     cfg, params = checkpoint.restore(out)
     stacked = str(tmp_path / "stacked")
     checkpoint.save(stacked, cfg, params)
-    a = checkpoint._flat(checkpoint.restore(stacked)[1])
-    b = checkpoint._flat(params)
+    a = checkpoint.flat(checkpoint.restore(stacked)[1])
+    b = checkpoint.flat(params)
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
@@ -282,7 +283,80 @@ def test_killed_during_finalize_resumes(k26, converted, tmp_path, monkeypatch):
     assert os.listdir(os.path.join(out, "layers")) and os.listdir(os.path.join(out, convert.WORK_DIR))
     stats = convert.convert_hf(k26["dir"], out, progress=False)
     assert (stats["converted"], stats["skipped"]) == (0, 3)
-    a = checkpoint._flat(checkpoint.restore(out)[1])
-    b = checkpoint._flat(checkpoint.restore(converted[0])[1])
+    a = checkpoint.flat(checkpoint.restore(out)[1])
+    b = checkpoint.flat(checkpoint.restore(converted[0])[1])
     for k in b:
         np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
+
+
+# ---- kimi_jax.load: HF INT4 directly, and straight onto a mesh ----------------------------------------------
+
+def test_load_hf_int4_directory_equals_converted(k26, converted):
+    """K2.6's published layout opens without conversion: same config, same weights, same logits."""
+    direct, conv = kimi_jax.load(k26["dir"]), kimi_jax.load(converted[0])
+    assert direct.config == conv.config and direct.config.int4_experts
+    a, b = checkpoint.flat(direct.params), checkpoint.flat(conv.params)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    np.testing.assert_array_equal(direct.logits(TOKENS[0]), conv.logits(TOKENS[0]))
+
+
+def _live_host_bytes(monkeypatch):
+    """Wrap HFCheckpoint.read_layer so that every array it returns is tracked until it is freed; returns the list
+    of (layer, bytes of earlier layers still alive when it was read)."""
+    import weakref
+    live, seen = {"bytes": 0}, []
+    original = hf.HFCheckpoint.read_layer
+
+    def read_layer(self, i, dtype):
+        seen.append((i, live["bytes"]))
+        tree = original(self, i, dtype)
+        for a in tree.values():
+            live["bytes"] += a.nbytes
+            weakref.finalize(a, lambda n=a.nbytes: live.__setitem__("bytes", live["bytes"] - n))
+        return tree
+
+    monkeypatch.setattr(hf.HFCheckpoint, "read_layer", read_layer)
+    return seen
+
+
+@pytest.mark.parametrize("source", ["hf", "layered"])
+def test_load_on_mesh_places_each_layer_on_its_shardings(k26, converted, source, monkeypatch):
+    """load(path, mesh=) chooses the shardings first: every weight lands sharded as param_shardings says, the
+    HF reader's host arrays of a layer are freed before the next layer is read, and the orbax reads ask for
+    the per-layer shardings (each device reads its shard)."""
+    from kimi_jax import sharding
+    seen = _live_host_bytes(monkeypatch)
+    targets = []
+    original_restore = checkpoint.restore_tree
+    monkeypatch.setattr(checkpoint, "restore_tree",
+                        lambda path, target=None: (targets.append(target), original_restore(path, target))[1])
+    path = k26["dir"] if source == "hf" else converted[0]
+    model = kimi_jax.load(path, mesh="ep=4")
+    want = checkpoint.flat(sharding.param_shardings(model.config, model.mesh))
+    got = checkpoint.flat(model.params)
+    for k, s in want.items():
+        assert got[k].sharding.is_equivalent_to(s, got[k].ndim), k
+    w13 = model.params["moe_layers"]["moe"]["experts"].w13
+    assert w13.addressable_shards[0].data.shape[1] == model.config.n_routed_experts // 4
+    if source == "hf":
+        assert [i for i, _ in seen] == list(range(model.config.num_hidden_layers))
+        assert all(earlier == 0 for _, earlier in seen), seen
+    else:
+        leaves = [t for tree in targets for t in jax.tree.leaves(tree)]
+        assert leaves and all(t.sharding is not None and t.sharding.mesh.shape == model.mesh.shape for t in leaves)
+    ref = kimi_jax.load(converted[0])
+    np.testing.assert_allclose(model.logits(TOKENS[0]), ref.logits(TOKENS[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_full_k26_load_plan_on_8_devices():
+    """The full model's load onto tp=8 / ep=8, planned without reading: per-device bytes and the host's one layer."""
+    from kimi_jax import sharding
+    from kimi_jax.config import KIMI_K26
+    mesh = jax.sharding.AbstractMesh((8,), ("ep",))
+    plan = checkpoint.load_plan(KIMI_K26, sharding.param_shardings(KIMI_K26, mesh))
+    total, layer = plan["total_bytes"], plan["host_layer_bytes"]
+    assert 550e9 < total < 650e9                       # ~1.03T params: INT4 experts + bf16 rest
+    assert plan["per_device_bytes"] < total / 7        # experts split 8 ways, attention TP over ep
+    assert 8e9 < layer < 11e9                          # one MoE layer: 384 x 3 INT4 matrices + bf16 attention

@@ -10,6 +10,7 @@ from safetensors.numpy import save_file
 
 from kimi_jax.config import preset
 from kimi_jax.decoding import drafter as dflash
+from kimi_jax.weights.drafter import load_drafter
 
 TARGET = preset("tiny")
 
@@ -49,7 +50,7 @@ def public_layout(tmp_path, taps_in_config=True):
 
 def test_loads_the_public_dflash_layout(tmp_path):
     cfg, t = public_layout(tmp_path)
-    d = dflash.load_drafter(str(tmp_path), TARGET)
+    d = load_drafter(str(tmp_path), TARGET)
     c, p = d.config, d.params
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.num_key_value_heads) == (8, 250, (0, 2), 2)
     assert c.rope_factor == 4.0 and c.rope_scale == 1.0                   # mscale 1/1: unscaled cos/sin
@@ -73,7 +74,7 @@ def test_tap_fallback_when_config_has_no_layer_ids(tmp_path):
 def test_drafter_that_does_not_fit_its_target(tmp_path):
     public_layout(tmp_path)
     with pytest.raises(dflash.DrafterError, match="hidden_size 64 does not match the target's 32"):
-        dflash.load_drafter(str(tmp_path), TARGET.replace(hidden_size=32))
+        load_drafter(str(tmp_path), TARGET.replace(hidden_size=32))
 
 
 def test_block_is_not_causal():

@@ -16,7 +16,7 @@ from kimi_jax.config import ConfigError, ModelConfig, param_count, preset
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import abstract_params, init_params
 from kimi_jax.model.transformer import forward, full_logits
-from kimi_jax.weights import checkpoint
+from kimi_jax.weights import checkpoint, hf
 
 TINY = preset("tiny")
 
@@ -99,7 +99,7 @@ def test_sampling_is_seeded(tiny_params):
 
 
 def test_orbax_round_trip(tmp_path):
-    cfg, params = checkpoint.load_hf(str(FIXTURES / "hf_k25"))
+    cfg, params = hf.load(str(FIXTURES / "hf_k25"))
     checkpoint.save(str(tmp_path / "ck"), cfg, params)
     model = kimi_jax.load(str(tmp_path / "ck"))
     assert model.config == cfg

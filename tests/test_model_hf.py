@@ -9,7 +9,7 @@ import kimi_jax
 from kimi_jax.cache import init_cache
 from kimi_jax.model.layers import yarn_inv_freq
 from kimi_jax.model.transformer import forward, full_logits
-from kimi_jax.weights.checkpoint import load_hf
+from kimi_jax.weights.hf import load as load_hf
 
 
 def rel_err(a, b):

@@ -104,6 +104,10 @@ def test_bad_meshes_name_axis_sizes_and_fix():
         part.param_partition_specs(CFG.replace(num_attention_heads=32), ep32, "ep")
     with pytest.raises(part.ShardingError, match=r"INT4 experts.*multiple of 256"):
         part.param_shardings(TINY.replace(num_attention_heads=8, int4_experts=True), part.make_mesh("tp=8"))
+    # INT4 slices of 64 cannot split over any axis that carries expert_mlp; the error names that axis (dp here)
+    # and the meshes that work: whole experts over ep, as long as ep divides the 4 heads.
+    with pytest.raises(part.ShardingError, match=r"dp_attn splits .* over dp = 2 .*This model fits: ep=2, ep=4$"):
+        part.param_shardings(TINY.replace(int4_experts=True), part.make_mesh("dp=2"))
     with pytest.raises(part.ShardingError, match=r"batch 3 is not divisible.*size 2"):
         part.cache_sharding(CFG, part.make_mesh("dp=2,tp=4"), batch=3)
     with pytest.raises(part.ShardingError, match="unknown sharding strategy"):

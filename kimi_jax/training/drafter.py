@@ -26,6 +26,7 @@ from kimi_jax.cache import init_cache
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.model.transformer import forward
 from kimi_jax.training.optim import Hyper, adamw
+from kimi_jax.weights.drafter import save_drafter
 
 
 def make_sequences(model, prompts: list[list[int]], new_tokens: int, batch: int = 32) -> np.ndarray:
@@ -129,7 +130,7 @@ def run(a) -> int:
         if step % 25 == 0 or step == a.steps:
             print(f"step {step}/{a.steps} loss {float(loss):.3f} block acc {float(acc):.3f} "
                   f"elapsed {time.time() - t0:.0f}s", flush=True)
-    dflash.save_drafter(a.out, dflash.Drafter(dcfg, dparams))
+    save_drafter(a.out, dflash.Drafter(dcfg, dparams))
     with open(os.path.join(a.out, "train_log.json"), "w") as f:
         json.dump({"args": vars(a), "final_loss": float(loss), "final_block_acc": float(acc),
                    "wall_s": time.time() - t0}, f, indent=1)
