@@ -98,14 +98,8 @@ class Model:
 
     # ---- generation --------------------------------------------------------------------------------------
     def _spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
-        if method not in engine.METHODS:
-            raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
         if budget == "auto":
             budget = None
-        elif budget is not None and (not isinstance(budget, (int, np.integer)) or budget < 0):
-            raise GenerationError(f"budget must be 'auto' or an integer >= 0, got {budget!r}")
-        if temperature < 0 or not np.isfinite(temperature):
-            raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
         if method == "ar":
             return engine.Spec(self.config, "ar", 0, temperature > 0, rt=self.runtime)
         if self.drafter is None:
@@ -193,8 +187,7 @@ class Model:
     def _prepare(self, prompt, max_new_tokens, method, budget, temperature, block_size):
         """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_request(max_new_tokens, method, budget, temperature)
         spec = self._spec(method, budget, temperature, block_size)
         return (spec, *self._layout(self.encode(prompt), max_new_tokens, spec))
 
@@ -257,6 +250,19 @@ class Model:
         _check_finite(nan)
         accepted, width, rounds = jax.device_get((state.accepted, state.width, state.rounds))
         yield self._result(out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
+
+
+def check_request(max_new_tokens, method, budget, temperature) -> None:
+    """The model-independent checks of a generation request (the CLI runs them before loading anything);
+    the message names the argument and the fix."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if method is not None and method not in engine.METHODS:
+        raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
+    if not (budget in ("auto", None) or (isinstance(budget, (int, np.integer)) and budget >= 0)):
+        raise GenerationError(f"budget must be 'auto' or an integer >= 0, got {budget!r}")
+    if not isinstance(temperature, (int, float, np.floating)) or temperature < 0 or not np.isfinite(temperature):
+        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
 
 
 def _check_finite(nan_flag):

@@ -156,6 +156,31 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def rope_fields(hf: dict[str, Any], mscale_default: float = 1.0, theta_default: float | None = None) -> dict:
+    """The ``rope_*`` fields of an HF config: ``rope_theta`` plus, for YaRN ``rope_scaling`` (or
+    ``rope_parameters``), the scaling. Shared by the target and the drafter configs; the defaults say what an
+    absent ``mscale`` / ``rope_theta`` means (None: required)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta", theta_default))
+    if theta is None:
+        raise ConfigError("config.json is missing 'rope_theta'")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return {"rope_theta": float(theta)}
+    if rope_type != "yarn":
+        raise ConfigError(f"rope type {rope_type!r} is not supported (K2 uses yarn)")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in rope:
+            raise ConfigError(f"yarn rope_scaling is missing {key!r}")
+    mscale = rope.get("mscale", mscale_default)
+    return dict(rope_theta=float(theta), rope_factor=float(rope["factor"]),
+                rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                rope_beta_fast=float(rope.get("beta_fast", 32.0)),
+                rope_beta_slow=float(rope.get("beta_slow", 1.0)),
+                rope_mscale=float(mscale_default if mscale is None else mscale),
+                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+
+
 def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = hf.get("model_type")
     if model_type == "kimi_k25":
@@ -181,26 +206,7 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported (K2 has no biases)")
 
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("yarn", "default", None):
-        raise ConfigError(f"rope type {rope_type!r} is not supported (K2 uses yarn)")
-    theta = hf.get("rope_theta", rope.get("rope_theta"))
-    if theta is None:
-        raise ConfigError("config.json is missing 'rope_theta'")
-    yarn = {}
-    if rope_type == "yarn":
-        for key in ("factor", "original_max_position_embeddings"):
-            if key not in rope:
-                raise ConfigError(f"yarn rope_scaling is missing {key!r}")
-        yarn = dict(
-            rope_factor=float(rope["factor"]),
-            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            rope_beta_fast=float(rope.get("beta_fast", 32.0)),
-            rope_beta_slow=float(rope.get("beta_slow", 1.0)),
-            rope_mscale=float(rope.get("mscale", 1.0)),
-            rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
-        )
+    rope = rope_fields(hf)
 
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -218,9 +224,9 @@ def _fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
         routed_scaling_factor=float(need("routed_scaling_factor")),
         norm_topk_prob=bool(need("norm_topk_prob")), rms_norm_eps=float(need("rms_norm_eps")),
-        rope_theta=float(theta), max_position_embeddings=need("max_position_embeddings"),
+        max_position_embeddings=need("max_position_embeddings"),
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids, name=hf.get("_name_or_path") or model_type,
-        **yarn,
+        **rope,
     )
 
 

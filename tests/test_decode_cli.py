@@ -50,7 +50,7 @@ def test_missing_checkpoint():
     one_line_error(decode("--checkpoint", "/nonexistent/ck", "--method", "ar"), "does not exist")
 
 
-@pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["--budget"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+@pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["budget", ">= 0"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
                                          (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"])])
 def test_bad_flag_values(flags, words):
     one_line_error(decode(*flags), *words)

@@ -44,17 +44,13 @@ def _parse(argv):
     p.add_argument("--stream", action="store_true", help="print text as each chunk of rounds is accepted")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats)")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.budget != "auto":
         try:
             args.budget = int(args.budget)
         except ValueError:
             p.error(f"--budget must be 'auto' or an integer >= 0, got {args.budget!r}")
-        if args.budget < 0:
-            p.error(f"--budget must be >= 0, got {args.budget}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    from kimi_jax.api import check_request  # the API's own checks, before anything is loaded
+    check_request(args.max_new_tokens, args.method, args.budget, args.temperature)
     return args
 
 

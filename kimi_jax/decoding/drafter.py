@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.config import ModelConfig, yarn_mscale
+from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
 from kimi_jax.model.layers import apply_rope_half, rms_norm, swiglu, yarn_frequencies
 
 CONFIG_FILE = "drafter_config.json"
@@ -99,15 +99,7 @@ class DrafterConfig:
             if n_target is None:
                 raise DrafterError("drafter config has neither dflash_config.target_layer_ids nor num_target_layers")
             taps = build_target_layer_ids(n_target, layers)
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        yarn = {}
-        if rope.get("rope_type", rope.get("type")) == "yarn":
-            yarn = dict(rope_factor=float(rope["factor"]),
-                        rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                        rope_beta_fast=float(rope.get("beta_fast", 32.0)),
-                        rope_beta_slow=float(rope.get("beta_slow", 1.0)),
-                        rope_mscale=float(rope.get("mscale", 0.0) or 0.0),
-                        rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0) or 0.0))
+        rope = rope_fields(hf, mscale_default=0.0, theta_default=1e6)
         mask = dflash.get("mask_token_id", hf.get("mask_token_id"))
         if mask is None:
             raise DrafterError("drafter config has no dflash_config.mask_token_id")
@@ -118,7 +110,7 @@ class DrafterConfig:
                    intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                    block_size=dflash.get("block_size", hf.get("block_size", 16)), mask_token_id=mask,
                    target_layer_ids=tuple(taps), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   rope_theta=hf.get("rope_theta", rope.get("rope_theta", 1e6)), **yarn)
+                   **rope)
 
     def check_target(self, target: ModelConfig):
         if self.hidden_size != target.hidden_size:

@@ -37,6 +37,7 @@ from kimi_jax.model.moe import to_compute_layout
 from kimi_jax.model.transformer import causal_forward
 from kimi_jax.training import corpus
 from kimi_jax.training.optim import Hyper, adamw, lr_at
+from kimi_jax.weights.checkpoint import restore_tree, save_tree
 
 TOKENIZER_VOCAB = 4096
 BIAS_PATH = ("moe_layers", "moe", "router_bias")
@@ -196,15 +197,12 @@ def latest_state(state_dir: str) -> str | None:
 
 
 def save_state(state_dir: str, state: dict, seed: int, keep: int = 2) -> str:
-    import orbax.checkpoint as ocp
     step = int(state["step"])
     path = os.path.abspath(os.path.join(state_dir, f"step_{step:08d}"))
     if os.path.exists(path):
         return path
     os.makedirs(state_dir, exist_ok=True)
-    with ocp.StandardCheckpointer() as ck:
-        ck.save(path, {**state, "seed": jnp.asarray(seed, jnp.int32)})
-        ck.wait_until_finished()
+    save_tree(path, {**state, "seed": jnp.asarray(seed, jnp.int32)})
     old = sorted(d for d in os.listdir(state_dir) if _STATE_RE.match(d))[:-keep]
     for d in old:
         shutil.rmtree(os.path.join(state_dir, d), ignore_errors=True)
@@ -212,11 +210,9 @@ def save_state(state_dir: str, state: dict, seed: int, keep: int = 2) -> str:
 
 
 def load_state(path: str, like: dict) -> tuple[dict, int]:
-    import orbax.checkpoint as ocp
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           {**like, "seed": jnp.zeros((), jnp.int32)})
-    with ocp.StandardCheckpointer() as ck:
-        restored = ck.restore(os.path.abspath(path), target)
+    restored = restore_tree(path, target)
     seed = int(restored.pop("seed"))
     return restored, seed
 
