@@ -77,6 +77,7 @@ def test_k26_layout_on_disk(k26):
     assert shape.tolist() == list(hf["model.layers.1.mlp.experts.3.gate_proj.weight"].shape)
 
 
+@pytest.mark.slow
 def test_convert_logits_match_dequantised_reference(k26, converted):
     out, stats = converted
     cfg, params = checkpoint.restore(out, dtype=jnp.float32)
@@ -229,6 +230,7 @@ def shardings_for(params_abstract, mesh):
     return jax.tree_util.tree_map_with_path(one, params_abstract)
 
 
+@pytest.mark.slow
 def test_sharded_restore(converted):
     out, _ = converted
     cfg = checkpoint.read_config(out)

@@ -1,4 +1,4 @@
-"""DDTree builder, ancestor mask and walk against plain-Python references (research/ddtree.md section 7).
+"""DDTree builder, ancestor mask and walk against plain-Python references ([ddtree-golden] in docs/sources.md).
 
 Shapes are fixed per case (a few (L, V, N) combos, batch of ROWS tables) so each jitted program compiles
 once; hypothesis varies the table values, including exact ties and zero-probability (-inf) tokens.
@@ -288,6 +288,7 @@ def test_batch_rows_are_independent():
             np.testing.assert_array_equal(np.asarray(w)[b], np.asarray(a)[0])
 
 
+@pytest.mark.slow
 def test_build_tree_from_logits_and_bf16():
     """build_tree applies log_softmax in float32 itself; bf16 logits work; tie-free tables match the heap."""
     logits = np.random.default_rng(9).normal(size=(ROWS, 4, 6)).astype(np.float32) * 3

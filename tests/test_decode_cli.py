@@ -29,6 +29,7 @@ def one_line_error(res, *words):
 
 
 @needs_default
+@pytest.mark.slow
 def test_default_run_json():
     res = decode("--max-new-tokens", "24", "--json")
     assert res.returncode == 0, res.stderr
@@ -39,6 +40,7 @@ def test_default_run_json():
 
 
 @needs_default
+@pytest.mark.slow
 def test_stream_prints_text_then_stats():
     res = decode("--prompt", "import os\n", "--max-new-tokens", "16", "--stream", "--method", "dflash")
     assert res.returncode == 0, res.stderr

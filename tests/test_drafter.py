@@ -77,6 +77,7 @@ def test_drafter_that_does_not_fit_its_target(tmp_path):
         load_drafter(str(tmp_path), TARGET.replace(hidden_size=32))
 
 
+@pytest.mark.slow
 def test_block_is_not_causal():
     """Changing a later block slot changes earlier slots' logits (bidirectional inside the block)."""
     from kimi_jax.model.params import init_params

@@ -13,7 +13,8 @@ from kimi_jax.model.transformer import full_logits
 
 ROOT = FIXTURES.parent.parent
 TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
-pytestmark = pytest.mark.skipif(not (DRAFTER / "drafter_config.json").exists(), reason="embedded default not built")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (DRAFTER / "drafter_config.json").exists(), reason="embedded default not built")]
 
 
 @pytest.fixture(scope="module")

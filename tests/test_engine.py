@@ -72,13 +72,16 @@ def full_sequences(prompts, tokens, width=64):
     return out
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 8), ("ddtree", 40)])
+@pytest.mark.parametrize("method,budget", [("ddtree", 8), pytest.param("dflash", None, marks=pytest.mark.slow),
+                                           pytest.param("ddtree", 1, marks=pytest.mark.slow),
+                                           pytest.param("ddtree", 40, marks=pytest.mark.slow)])
 def test_random_drafter_is_lossless(model, ar_tokens, method, budget):
     assert model.generate(PROMPTS, 24, method=method, budget=budget).tokens == ar_tokens
 
 
 @pytest.mark.parametrize("method,budget,wrong", [("dflash", None, ()), ("ddtree", 8, ()), ("ddtree", 12, (1,)),
                                                   ("dflash", None, (2,))])
+@pytest.mark.slow
 def test_oracle_and_adversarial_drafters_are_lossless(model, ar_tokens, patch_draft, method, budget, wrong):
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), wrong))
     model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)       # no programs compiled before the patch
@@ -88,6 +91,7 @@ def test_oracle_and_adversarial_drafters_are_lossless(model, ar_tokens, patch_dr
         assert out.stats["mean_tau"] > 2.0            # long paths really were accepted
 
 
+@pytest.mark.slow
 def test_tree_verify_equals_causal_forward_over_each_path(target):
     """Logits and taps at every tree node equal a plain causal forward over prefix + that node's root path."""
     prefix = jnp.asarray([[3, 9, 27, 81, 5]])
@@ -109,6 +113,7 @@ def test_tree_verify_equals_causal_forward_over_each_path(target):
         np.testing.assert_allclose(out.taps[:, 0, i], ref.taps[:, 0, -1], rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_caches_after_every_round(model, ar_tokens, patch_draft):
     """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
@@ -132,6 +137,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
             np.testing.assert_allclose(state.drafter.v[:, b, :lengths[b]], v[:, 0], rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_mask_token_survives_in_output(target):
     """A genuine output token equal to the drafter's mask id is kept (the output tracks lengths, not masks)."""
     first = kimi_jax.Model(CFG, target).generate([[5, 6, 7]], 6, method="ar").tokens[0]
@@ -140,6 +146,7 @@ def test_mask_token_survives_in_output(target):
     assert m.generate([[5, 6, 7]], 6, method="ddtree", budget=6).tokens[0] == first
 
 
+@pytest.mark.slow
 def test_one_dispatch_per_generate(model, monkeypatch):
     """Count compiled-program executions: the fast path is disabled so every launch goes through Python."""
     from jax._src import pjit
@@ -171,6 +178,7 @@ def test_bad_arguments(model, target):
             dflash.DrafterConfig(**{**DCFG.to_dict(), **bad, "target_layer_ids": (0, 2)}).check_target(CFG)
 
 
+@pytest.mark.slow
 def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
     """attn_impl="pallas" routes verify attention through the Pallas kernel (interpret mode on CPU)."""
     pallas = kimi_jax.Model(CFG, model.params, drafter=model.drafter, runtime=kimi_jax.Runtime(attn_impl="pallas"))
@@ -191,6 +199,7 @@ def _tokens(state):
     return [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("oracle", [False, True])
 def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle):
     """Each width the policy can pick (forced), and the policy itself under opposite cost tables, emits AR's
@@ -239,6 +248,7 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
     assert again.generate(PROMPTS[:1], 8).stats["width_per_round"]             # auto by default, widths reported
 
 
+@pytest.mark.slow
 def test_expected_tokens_is_the_surrogate_sum():
     logits = jax.random.normal(jax.random.key(3), (2, 4, 7)) * 2
     tree = ddtree.build_tree(jnp.asarray([1, 2]), logits, 9)

@@ -88,11 +88,11 @@ def test_sort_by_expert(t, k, bm, kind):
 
 @pytest.mark.parametrize("t,k,kind", [
     (13, 3, "random"),       # ragged groups, 39 rows: not a multiple of the block
-    (1, 4, "random"),        # decode: one token, most experts empty
-    (2, 2, "random"),        # more empty experts than used ones
+    pytest.param(1, 4, "random", marks=pytest.mark.slow),        # decode: one token, most experts empty
+    pytest.param(2, 2, "random", marks=pytest.mark.slow),        # more empty experts than used ones
     (37, 2, "one_expert"),   # one expert gets every token (3 blocks, the last partial)
-    (32, 2, "few"),          # all rows on two experts, 32 rows each = exact blocks
-    (20, 1, "few"),          # every token on one expert, top-1
+    pytest.param(32, 2, "few", marks=pytest.mark.slow),          # all rows on two experts, 32 rows each = exact blocks
+    pytest.param(20, 1, "few", marks=pytest.mark.slow),          # every token on one expert, top-1
 ])
 def test_int4_moe_matches_reference(t, k, kind):
     ex = random_experts(0)
@@ -106,6 +106,7 @@ def test_int4_moe_matches_reference(t, k, kind):
     check_close(y_pallas, y_xla)
 
 
+@pytest.mark.slow
 def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
     # D = 96 and F = 64 are padded to 256 inside the kernel layout; weights compressed by the package itself
     ex = fixture_experts(fixtures_dir, "e2_d96_f64")
@@ -117,6 +118,7 @@ def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
     check_close(moe(x, idx, w, ex, impl="pallas", block_m=32), ref)
 
 
+@pytest.mark.slow
 def test_int4_moe_bf16_activations():
     ex = random_experts(1)
     idx, w = routing(3, 9, 2)
@@ -127,6 +129,7 @@ def test_int4_moe_bf16_activations():
     check_close(moe(x, idx, w, ex, impl="pallas"), ref, rtol=2e-2)
 
 
+@pytest.mark.slow
 def test_int4_moe_stacked_layers_scan():
     layers = [random_experts(s) for s in (4, 5)]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)

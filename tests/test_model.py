@@ -30,10 +30,12 @@ def test_param_count_kimi_k26():
     assert param_count(preset("kimi-k2.6")) == 1_026_408_232_448
 
 
+@pytest.mark.slow
 def test_param_count_matches_param_tree(tiny_params):
     assert sum(x.size for x in jax.tree.leaves(tiny_params)) == param_count(TINY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
 def test_absorbed_equals_full(name):
     cfg = preset(name)
@@ -72,6 +74,7 @@ def greedy_reference(params, cfg, prompt, n, width=32):
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 def test_batched_ar_with_different_prompt_lengths(tiny_params):
     cfg = TINY.replace(eos_token_ids=())
     model = kimi_jax.Model(cfg, tiny_params)
@@ -81,6 +84,7 @@ def test_batched_ar_with_different_prompt_lengths(tiny_params):
         assert toks == greedy_reference(tiny_params, cfg, p, 8)
 
 
+@pytest.mark.slow
 def test_eos_stops_a_row_and_is_kept(tiny_params):
     model = kimi_jax.Model(TINY.replace(eos_token_ids=()), tiny_params)
     free = model.generate([[5, 6, 7]], max_new_tokens=8, method="ar").tokens[0]
@@ -90,6 +94,7 @@ def test_eos_stops_a_row_and_is_kept(tiny_params):
     assert got == free[:free.index(stop) + 1]
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded(tiny_params):
     model = kimi_jax.Model(TINY.replace(eos_token_ids=()), tiny_params)
     a = model.generate([[1, 2, 3]], max_new_tokens=12, temperature=1.0, seed=7).tokens
@@ -98,6 +103,7 @@ def test_sampling_is_seeded(tiny_params):
     assert a == b and a != c
 
 
+@pytest.mark.slow
 def test_orbax_round_trip(tmp_path):
     cfg, params = hf.load(str(FIXTURES / "hf_k25"))
     checkpoint.save(str(tmp_path / "ck"), cfg, params)

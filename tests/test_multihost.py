@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 7, 200, 3, 64, 12, 90]]
 MAX_NEW = 8

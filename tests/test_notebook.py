@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 TARGET = ROOT / "checkpoints" / "target"

@@ -39,6 +39,7 @@ def _logits(params, tokens, rt=Runtime()):
     return transformer.forward(params, CFG, tokens, init_cache(CFG, tokens.shape[0], 16), rt=rt).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(MESHES))
 def test_strategy_matches_one_device(strategy, params, reference):
     ref_tokens, ref_logits = reference

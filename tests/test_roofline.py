@@ -1,5 +1,6 @@
-"""The roofline reproduces the founding numbers (DESIGN.md §1) and the tables of research/perf_anchors.md §6
-("PA") under their stated assumptions. Tolerance 2% unless a range is stated."""
+"""The roofline reproduces the founding numbers ([design-measured]) and the worked tables ([k26-bytes], [k26-tp8],
+[k26-verify-bytes], [k26-roofline]; tags in docs/sources.md) under their stated assumptions. Tolerance 2% unless a
+range is stated."""
 
 import json
 
@@ -21,20 +22,21 @@ def comps(tokens=1, context=0, **kw):
 
 
 def floor_ms(profile, tokens, context=0, devices=8):
-    """PA §6c/§6d floors: per-device bytes at 100% of spec bandwidth, no FLOPs, collectives or overhead."""
+    """[k26-tp8]/[k26-verify-bytes] floors: per-device bytes at 100% of spec bandwidth, no FLOPs, collectives or
+    overhead."""
     est = rl.predict_round_time(KIMI_K26, profile, tokens, context, devices=devices, efficiency=1.0,
                                 include_flops=False)
     return (est.total_s - est.t_collectives) / MS
 
 
-# ---- bytes per step (PA §6b, §6c, §6d) ----------------------------------------------------------------------
+# ---- bytes per step ([k26-bytes], [k26-tp8], [k26-verify-bytes]) -----------------------------------------------------
 
 def test_int4_bytes_per_param():
     assert rl.INT4_BYTES_PER_PARAM == 0.5 + 2 / 32 == 0.5625
 
 
 def test_param_and_checkpoint_totals():
-    # PA §6b check: total params 1026 B; INT4 checkpoint ~594 GB
+    # [k26-bytes] check: total params 1026 B; INT4 checkpoint ~594 GB
     assert close(param_count(KIMI_K26) / 1e9, 1026)
     assert close(rl.checkpoint_bytes(KIMI_K26) / GB, 594)
     a, b = rl.attention_layer_params(KIMI_K26)
@@ -43,7 +45,7 @@ def test_param_and_checkpoint_totals():
 
 
 def test_batch1_bytes_single_device():
-    # PA §6b table, single logical device, batch 1
+    # [k26-bytes] table, single logical device, batch 1
     c = comps(1)
     ref = {"attention": 12.34, "routed_experts": 11.89, "shared_experts": 5.29, "lm_head": 2.35,
            "dense_mlp": 0.79, "router": 0.33}
@@ -54,7 +56,7 @@ def test_batch1_bytes_single_device():
 
 
 def test_tp8_default_layout_bytes():
-    # PA §6c: attn 3.16 (replicated A-proj 1.85) + dense 0.10 + shared 0.66 + routed 1.49 + router 0.33
+    # [k26-tp8]: attn 3.16 (replicated A-proj 1.85) + dense 0.10 + shared 0.66 + routed 1.49 + router 0.33
     # + lm_head 0.29 = 6.03 GB/GPU; fully sharded 32.98/8 = 4.12
     c = comps(1, devices=8)
     ref = {"attention": 3.16, "shared_experts": 0.66, "routed_experts": 1.49, "router": 0.33, "lm_head": 0.29}
@@ -69,7 +71,7 @@ def test_tp8_default_layout_bytes():
 
 
 def test_latent_kv_bytes():
-    # PA §6b: 70.3 KB/token over 61 layers, replicated on every TP rank: +0.29 GB @4K, 2.30 @32K, 9.2 @128K
+    # [k26-bytes]: 70.3 KB/token over 61 layers, replicated on every TP rank: +0.29 GB @4K, 2.30 @32K, 9.2 @128K
     assert close(rl.kv_bytes_per_token(KIMI_K26) / 1e3, 70.3)
     for ctx, gb in ((4096, 0.29), (32768, 2.30), (131072, 9.2)):
         assert close(comps(1, ctx, devices=8)["kv_cache"].bytes / GB, gb)
@@ -77,7 +79,7 @@ def test_latent_kv_bytes():
 
 @pytest.mark.parametrize("tokens,unique", [(1, 8.0), (2, 15.8), (4, 31.0), (8, 59.5), (16, 109.8), (64, 284.2)])
 def test_unique_experts(tokens, unique):
-    # PA §6d column 2 (uniform independent routing)
+    # [k26-verify-bytes] column 2 (uniform independent routing)
     assert close(rl.unique_experts(384, 8, tokens), unique)
 
 
@@ -89,7 +91,7 @@ def test_unique_experts_128_256():
     (1, 6.03, 1.26, 0.75, 3.36), (2, 7.48, 1.56, 0.94, 4.18), (4, 10.30, 2.15, 1.29, 5.75),
     (8, 15.60, 3.25, 1.95, 8.71), (16, 24.95, 5.20, 3.12, 13.9), (64, 57.3, 11.9, 7.2, 32.0)])
 def test_verify_width_bytes_and_floors(tokens, gb, h200, b300, rtx):
-    # PA §6d: GB/GPU (TP8 default) and floors at 100% of spec bandwidth
+    # [k26-verify-bytes]: GB/GPU (TP8 default) and floors at 100% of spec bandwidth
     c = comps(tokens, devices=8)
     assert close(sum(x.bytes for x in c.values()) / GB, gb)
     assert close(floor_ms(H200, tokens), h200)
@@ -98,14 +100,14 @@ def test_verify_width_bytes_and_floors(tokens, gb, h200, b300, rtx):
 
 
 def test_ctx_floors_default_layout():
-    # PA §6c table, default layout: H200 1.32 / 1.74 / 3.18 ms at 4K / 32K / 128K; RTX 3.53 / 4.65 / 8.50
+    # [k26-tp8] table, default layout: H200 1.32 / 1.74 / 3.18 ms at 4K / 32K / 128K; RTX 3.53 / 4.65 / 8.50
     for ctx, h200, rtx in ((4096, 1.32, 3.53), (32768, 1.74, 4.65), (131072, 3.18, 8.50)):
         assert close(floor_ms(H200, 1, ctx), h200)
         assert close(floor_ms(RTX, 1, ctx), rtx)
 
 
 def test_ep8_busiest_device():
-    # PA §6c: EP8 at bs1, the busiest GPU holds E[max] = 2.57 experts => 63.7 MB/layer vs 24.8 MB under TP8
+    # [k26-tp8]: EP8 at bs1, the busiest GPU holds E[max] = 2.57 experts => 63.7 MB/layer vs 24.8 MB under TP8
     assert close(rl.expected_max_group_experts(384, 8, 1, 8), 2.57)
     n = KIMI_K26.num_moe_layers
     assert close(comps(1, devices=8, strategy="ep")["routed_experts"].bytes / n / 1e6, 63.7)
@@ -127,7 +129,7 @@ def test_expected_max_group_matches_monte_carlo():
     assert close(rl.expected_max_group_experts(E, k, T, groups), total / trials, rel=0.03)
 
 
-# ---- founding numbers (DESIGN.md §1) -------------------------------------------------------------------------
+# ---- founding numbers ([design-measured]) -------------------------------------------------------------------------
 
 def test_full_moe_layer_on_rtx_pro_6000():
     # one full MoE layer, all 384 INT4 experts: ~9.5 GB; streamed by one RTX PRO 6000 at 67-73% of 1.792 TB/s
@@ -157,7 +159,7 @@ TAU_R1 = 6 * MS / (1 / 165 - 1 / 303)                   # 2.174 tokens per round
 
 
 def test_303_to_165_reading_as_stated():
-    """Reading 1 (as DESIGN §1 words it): 303 tok/s = tau / t_moe(B300) with no fixed overhead; adding 6 ms
+    """Reading 1 (as [design-measured] words it): 303 tok/s = tau / t_moe(B300) with no fixed overhead; adding 6 ms
     gives tau / (t_moe + 6 ms) = 165. Solving: tau = 2.17, t_moe(B300) = 7.17 ms per round, i.e. 32.0 ms of MoE
     per round on 8x RTX PRO 6000 (x 8/1.792), which is the routed+shared bytes of ~38 verify tokens under TP8 at
     70% (uniform routing). But then the overhead share on B300 is exactly 1 - 165/303 = 45.5% < 50%."""
@@ -201,7 +203,7 @@ def test_model_reproduces_303_and_165():
     assert close(TAU_R1 / (t_b300 + b300.overhead_s), 165)
 
 
-# ---- PA §6e step-time model -----------------------------------------------------------------------------------
+# ---- [k26-roofline] step-time model ----------------------------------------------------------------------------------
 
 def test_h200_today_about_9ms():
     # 1.55 (bytes, eta 0.85, ctx 4K) + 123 x 9 us + ~1200 x ~5 us ~= 9 ms (measured 9.2)
@@ -214,7 +216,7 @@ def test_h200_today_about_9ms():
 @pytest.mark.parametrize("name,lo,hi,eff,ar_us", [("h200", 3.5, 4.0, None, 9), ("b300", 2.5, 3.0, None, 9),
                                                   ("rtx_pro_6000", 7.0, 9.0, 0.85, 30)])
 def test_realistic_aggressive(name, lo, hi, eff, ar_us):
-    # PA §6e: eta 0.85, AR ~9 us (RTX: PCIe, budget 20-40 us), ~300 launches (~0.9 ms)
+    # [k26-roofline]: eta 0.85, AR ~9 us (RTX: PCIe, budget 20-40 us), ~300 launches (~0.9 ms)
     prof = rl.PROFILES[name]
     assert prof.allreduce_s == ar_us * US
     est = rl.predict_round_time(KIMI_K26, prof, 1, 4096, devices=8, efficiency=eff, overhead_s=0.9 * MS)
@@ -222,7 +224,7 @@ def test_realistic_aggressive(name, lo, hi, eff, ar_us):
 
 
 def test_speculative_h200_window():
-    # PA §6e: verify 4-8 tokens + ~0.45 ms draft: H200 ~5-6.5 ms per round; AL 3-5 => ~460-1000 tok/s
+    # [k26-roofline]: verify 4-8 tokens + ~0.45 ms draft: H200 ~5-6.5 ms per round; AL 3-5 => ~460-1000 tok/s
     r4 = rl.predict_round_time(KIMI_K26, H200, 4, 4096, devices=8, overhead_s=(0.9 + 0.45) * MS)
     r8 = rl.predict_round_time(KIMI_K26, H200, 8, 4096, devices=8, overhead_s=(0.9 + 0.45) * MS)
     assert 5.0 <= r4.total_s / MS < r8.total_s / MS <= 6.5
@@ -259,7 +261,7 @@ def test_strategies_and_drafter():
     assert close(dp["attention"].bytes / GB, 12.34)                            # attention weights replicated
     with pytest.raises(ValueError, match="strategy"):
         comps(1, strategy="zigzag")
-    # DFlash drafter for K2.5/K2.6: ~6.5 GiB of bf16 layer weights (research/ddtree.md §6)
+    # DFlash drafter for K2.5/K2.6: ~6.5 GiB of bf16 layer weights ([kimi-dflash])
     assert close(rl.KIMI_DFLASH.params * 2 / 2**30, 6.5)
     d = comps(16, 4096, devices=8, drafter=rl.KIMI_DFLASH)["drafter"]
     assert d.bytes > (rl.KIMI_DFLASH.params + KIMI_K26.vocab_size * KIMI_K26.hidden_size) * 2 / 8

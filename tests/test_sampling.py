@@ -4,7 +4,8 @@ The toy target is an order-2 Markov chain over 3 tokens with an explicit table P
 drafter's marginals are fixed and deliberately wrong. Each round builds the best-first tree, draws one target
 sample per node from the node's true conditional, and walks. The empirical distribution of the first three
 emitted tokens must match the chain's (chi-square); Leviathan-style min(1, p/q) acceptance of the drafter's
-deterministic top-1 chain is shown to fail the same test, as research/ddtree.md section 3.3 warns.
+deterministic top-1 chain is shown to fail the same test, as the DDTree paper warns ([ddtree-accept] in
+docs/sources.md).
 """
 
 import functools
@@ -94,13 +95,17 @@ def first_three(round_fn, seed):
     return np.array([row[:3] for row in out])
 
 
-@pytest.mark.parametrize("width", [6, 4, 2, 1, 0])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("width", [pytest.param(6, marks=SLOW), 4, pytest.param(2, marks=SLOW), pytest.param(1, marks=SLOW), 0])
 def test_sample_and_walk_matches_the_target_distribution(width):
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (ROWS, L, V))
     samples = first_three(lambda k, p2, r: tree_round(k, p2, r, logits, width=width), seed=0)
     assert chi2(samples) < CHI2_CRIT_26DF_P001
 
 
+@pytest.mark.slow
 def test_min_p_over_q_acceptance_is_biased_on_the_same_test():
     samples = first_three(leviathan_round, seed=0)
     assert chi2(samples) > 10 * CHI2_CRIT_26DF_P001

@@ -2,6 +2,7 @@
 moves toward balance, and a resumed run continues at the right step with identical params."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,6 +29,7 @@ def test_train_forward_matches_model():
     np.testing.assert_array_equal(loads.sum(-1), 2 * 10 * CFG.num_experts_per_tok)
 
 
+@pytest.mark.slow
 def test_loss_decreases_and_resume_is_exact(tmp_path):
     lines = []
     state, hist = T.train(CFG, STREAM, steps=8, batch=4, seq_len=16, seed=3, hp=HP, log_every=1,
@@ -48,6 +50,7 @@ def test_loss_decreases_and_resume_is_exact(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bias_balancing_moves_toward_balance():
     loads = jnp.array([[10.0, 0.0, 2.0, 4.0]])
     b = T.balance_bias(jnp.zeros((1, 4)), loads, 0.1)

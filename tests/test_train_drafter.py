@@ -1,6 +1,7 @@
 """Drafter training sees exactly what serving sees: packed training blocks equal the serving draft."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,6 +26,7 @@ def test_labels_are_the_tokens_at_each_slot_position():
     assert (tokens[:, :, 0] == np.take_along_axis(seqs, anchors, 1)).all() and (tokens[:, :, 1:] == 255).all()
 
 
+@pytest.mark.slow
 def test_packed_training_blocks_equal_the_serving_draft():
     target = init_params(CFG, jax.random.key(0), scale=2.0)
     dparams = dflash.init_params(DCFG, jax.random.key(1))

@@ -63,6 +63,7 @@ def test_causal(t, lengths, splits):
     check_all(q, qpe, kv, lengths, causal(3, t), block_k=16, num_splits=splits)
 
 
+@pytest.mark.slow
 def test_ddtree_tree_with_padding():
     mask = tree_mask()
     assert bool(mask[:, 7, 7].all()) and int(mask[:, 7].sum()) == 2 and int(mask[:, :, 7].sum()) == 2
@@ -71,6 +72,7 @@ def test_ddtree_tree_with_padding():
     check_all(q, qpe, kv, [7, 96 - 8], mask, block_k=32, num_splits=2)
 
 
+@pytest.mark.slow
 def test_big_tree_multiword_mask():
     # 40 nodes: the packed mask spans two words and two tree key blocks; node 0 of row 1 sees only itself
     rng = np.random.default_rng(2)

@@ -1,6 +1,7 @@
 """Analytical roofline: bytes, FLOPs and step time of one decode / DDTree round, per device.
 
-Pure Python (no jax). Numbers cite /work/shared/research/perf_anchors.md ("PA §n").
+Pure Python (no jax). Bracketed tags such as ``[hw-h200]`` refer to entries of docs/sources.md, which name the
+public source (or the derivation) of each number.
 
 Model of one round (a verify forward over ``T = width x batch`` tokens, plus an optional DFlash drafter pass)::
 
@@ -11,17 +12,17 @@ Model of one round (a verify forward over ``T = width x batch`` tokens, plus an 
 Per-device bytes (bf16 = 2 B, INT4 experts = 0.5 + 2/32 B/param: packed nibbles plus one bf16 scale per 32)::
 
     attention  = L * (A * r + B / d) * wb        A = q_a + kv_a (+ norms), B = q_b + kv_b + o; r = 1 (replicated,
-                                                 the default TP layout, PA §6c/§7) or 1/d (fully sharded)
-    kv_cache   = seqs * ctx * L * (kv_lora + rope) * kvb        latent KV, replicated under TP (PA §6b)
+                                                 the default TP layout, [k26-tp8]) or 1/d (fully sharded)
+    kv_cache   = seqs * ctx * L * (kv_lora + rope) * kvb        latent KV, replicated under TP ([k26-bytes])
     dense      = L_dense * 3 h I_dense * wb / d
     shared     = L_moe * n_shared * 3 h I_moe * wb / d
     router     = L_moe * (E h + E) * wb * r
-    routed     = L_moe * U(T) * 3 h I_moe * eb / d,    U(T) = E (1 - (1 - k/E)^T)   (uniform routing, PA §6d)
+    routed     = L_moe * U(T) * 3 h I_moe * eb / d,    U(T) = E (1 - (1 - k/E)^T)   (uniform, [k26-verify-bytes])
     lm_head    = (V h + h) * wb / d
     embedding  = T * h * wb                                      (rows gathered; negligible)
 
 ``U(T)`` assumes every token routes independently and uniformly. Draft-tree tokens of one sequence share a
-prefix and route alike, so for verify widths ``U(T)`` is an UPPER BOUND on the unique experts (PA §6d, §7).
+prefix and route alike, so for verify widths ``U(T)`` is an UPPER BOUND on the unique experts ([k26-verify-bytes]).
 
 FLOPs per device: ``2 * params_local * tokens`` for every matmul (routed: ``2 * T * k * 3 h I / d``, not the
 unique experts) plus absorbed-MLA attention ``2 * T * heads_local * ctx * (2 kv_lora + rope)`` per layer.
@@ -42,7 +43,7 @@ from kimi_jax.config import KIMI_K26, ModelConfig
 GB = 1e9
 MS = 1e-3
 US = 1e-6
-INT4_BYTES_PER_PARAM = 0.5 + 2 / 32      # packed INT4 + bf16 scale per group of 32 (PA §6a quant, §7)
+INT4_BYTES_PER_PARAM = 0.5 + 2 / 32      # packed INT4 + bf16 scale per group of 32 [int4-format]
 STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn")
 
 
@@ -64,8 +65,8 @@ class Hardware:
     link_bw: float                 # interconnect, per direction per device
     allreduce_s: float             # small-message all-reduce latency across the node
     mem_capacity: float
-    efficiency: float = 0.85       # PA §2 "practical planning: weight streaming 85-90% of spec on HBM (use 85%)"
-    flop_efficiency: float = 0.67  # PA §2 FlashMLA compute-bound 660 of 989 TF on H800
+    efficiency: float = 0.85       # [bw-efficiency]: weight streaming 85-90% of spec on HBM (use 85%)
+    flop_efficiency: float = 0.67  # [flop-efficiency]: FlashMLA compute-bound 660 of 989 TF on H800
 
     def bw(self, efficiency: float | None = None) -> float:
         return (self.efficiency if efficiency is None else efficiency) * self.mem_bw
@@ -74,49 +75,49 @@ class Hardware:
 PROFILES: dict[str, Hardware] = {
     "rtx_pro_6000": Hardware(
         name="rtx_pro_6000",
-        mem_bw=1.792e12,             # PA §1: 512-bit GDDR7 @ 28 Gbps = 1.792 TB/s
-        measured_bw=None,            # PA §1: no STREAM number found
-        bf16_flops=504e12,           # PA §1: ~504 TF dense BF16 (aggregator); torch GEMM measured 368-417 TF [e]
-        link_bw=64e9,                # PA §1: PCIe Gen5 x16 only, no NVLink (~64 GB/s per direction)
-        allreduce_s=30 * US,         # PA §5: none published for PCIe; budget 20-40 us (midpoint)
-        mem_capacity=96e9,           # PA §1: 96 GB GDDR7
-        efficiency=0.70,             # DESIGN §1: INT4 Marlin MoE measured at 67-73% of peak
+        mem_bw=1.792e12,             # [hw-rtx-pro-6000]: 512-bit GDDR7 @ 28 Gbps = 1.792 TB/s
+        measured_bw=None,            # [hw-rtx-pro-6000]: no STREAM number found
+        bf16_flops=504e12,           # [hw-rtx-pro-6000]: ~504 TF dense BF16 (aggregator); torch GEMM 368-417 TF
+        link_bw=64e9,                # [hw-rtx-pro-6000]: PCIe Gen5 x16 only, no NVLink (~64 GB/s per direction)
+        allreduce_s=30 * US,         # [allreduce]: none published for PCIe; budget 20-40 us (midpoint)
+        mem_capacity=96e9,           # [hw-rtx-pro-6000]: 96 GB GDDR7
+        efficiency=0.70,             # [design-measured]: INT4 Marlin MoE measured at 67-73% of peak
     ),
     "h100": Hardware(
         name="h100",
-        mem_bw=3.35e12,              # PA §1
-        measured_bw=2.90e12,         # PA §1 [a]: STREAM copy 2.90 TB/s (87%)
-        bf16_flops=989e12,           # PA §1
-        link_bw=450e9,               # PA §1: NVLink4 900 GB/s bidirectional
-        allreduce_s=9 * US,          # PA §5: symm-mem/one-shot AR in CUDA graph ~9 us (NCCL ~22 us)
-        mem_capacity=80e9,           # PA §1
+        mem_bw=3.35e12,              # [hw-h100]
+        measured_bw=2.90e12,         # [hw-h100]: STREAM copy 2.90 TB/s (87%)
+        bf16_flops=989e12,           # [hw-h100]
+        link_bw=450e9,               # [hw-h100]: NVLink4 900 GB/s bidirectional
+        allreduce_s=9 * US,          # [allreduce]: symm-mem/one-shot AR in CUDA graph ~9 us (NCCL ~22 us)
+        mem_capacity=80e9,           # [hw-h100]
     ),
     "h200": Hardware(
         name="h200",
-        mem_bw=4.8e12,               # PA §1
-        measured_bw=4.01e12,         # PA §1 [b]: STREAM copy 4.01 TB/s (84%)
-        bf16_flops=989e12,           # PA §1
-        link_bw=450e9,               # PA §1: NVLink4 900 GB/s bidirectional
-        allreduce_s=9 * US,          # PA §5 / §6e: 123 AR x 9 us = 1.1 ms
-        mem_capacity=141e9,          # PA §1
+        mem_bw=4.8e12,               # [hw-h200]
+        measured_bw=4.01e12,         # [hw-h200]: STREAM copy 4.01 TB/s (84%)
+        bf16_flops=989e12,           # [hw-h200]
+        link_bw=450e9,               # [hw-h200]: NVLink4 900 GB/s bidirectional
+        allreduce_s=9 * US,          # [allreduce], [k26-roofline]: 123 AR x 9 us = 1.1 ms
+        mem_capacity=141e9,          # [hw-h200]
     ),
     "b200": Hardware(
         name="b200",
-        mem_bw=7.67e12,              # PA §1 [c]: driver-reported bus 7680 bit x 3996 MHz (not the 8 TB/s mkt figure)
+        mem_bw=7.67e12,              # [hw-b200]: driver-reported bus 7680 bit x 3996 MHz (not the 8 TB/s mkt figure)
         measured_bw=None,
-        bf16_flops=2.25e15,          # PA §1
-        link_bw=900e9,               # PA §1: NVLink5 1.8 TB/s bidirectional
-        allreduce_s=9 * US,          # PA §5: assumed as H100/H200 (no B200 number)
-        mem_capacity=180e9,          # PA §1: 180 GB usable
+        bf16_flops=2.25e15,          # [hw-b200]
+        link_bw=900e9,               # [hw-b200]: NVLink5 1.8 TB/s bidirectional
+        allreduce_s=9 * US,          # [allreduce]: assumed as H100/H200 (no B200 number)
+        mem_capacity=180e9,          # [hw-b200]: 180 GB usable
     ),
     "b300": Hardware(
         name="b300",
-        mem_bw=8.0e12,               # PA §1, §7: 8 TB/s, no correction found
+        mem_bw=8.0e12,               # [hw-b300]: 8 TB/s, no correction found
         measured_bw=None,
-        bf16_flops=2.25e15,          # PA §1 (Tom's HW 5 PF is a sparse figure)
-        link_bw=900e9,               # PA §1: NVLink5 1.8 TB/s bidirectional
-        allreduce_s=9 * US,          # PA §5: assumed as H100/H200
-        mem_capacity=288e9,          # PA §1
+        bf16_flops=2.25e15,          # [hw-b300] (Tom's HW 5 PF is a sparse figure)
+        link_bw=900e9,               # [hw-b300]: NVLink5 1.8 TB/s bidirectional
+        allreduce_s=9 * US,          # [allreduce]: assumed as H100/H200
+        mem_capacity=288e9,          # [hw-b300]
     ),
 }
 ALIASES = {"rtx": "rtx_pro_6000", "rtx6000": "rtx_pro_6000", "rtx_pro": "rtx_pro_6000"}
@@ -207,7 +208,7 @@ class DrafterSpec:
                    block_size=g("block_size", default=8))
 
 
-# z-lab/Kimi-K2.5-DFlash (research/ddtree.md §6): 6 layers, hidden 7168, 64 heads, 8 KV heads, head_dim 128,
+# z-lab/Kimi-K2.5-DFlash [kimi-dflash]: 6 layers, hidden 7168, 64 heads, 8 KV heads, head_dim 128,
 # 6 taps, block 8. intermediate 18432 is inferred: it is the value that gives the card's ~6.5 GiB (6.48 GiB).
 KIMI_DFLASH = DrafterSpec(layers=6, hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432,
                           n_taps=6, target_hidden=7168, block_size=8)
@@ -217,7 +218,7 @@ KIMI_DFLASH = DrafterSpec(layers=6, hidden=7168, heads=64, kv_heads=8, head_dim=
 
 def unique_experts(n_experts: int, k: int, tokens: float) -> float:
     """Expected distinct experts touched by ``tokens`` tokens routed uniformly: ``E (1 - (1 - k/E)^T)``.
-    An upper bound for draft-tree tokens of one sequence, which route alike (PA §6d)."""
+    An upper bound for draft-tree tokens of one sequence, which route alike ([k26-verify-bytes])."""
     return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens) if tokens > 0 else 0.0
 
 
@@ -226,7 +227,7 @@ def expected_max_group_experts(n_experts: int, k: int, tokens: float, groups: in
 
     Each group holds ``n = E/groups`` experts; each expert is touched with ``p = 1 - (1 - k/E)^T``; the
     per-group counts are treated as independent Binomial(n, p):  E[max] = sum_j (1 - F(j-1)^groups).
-    (Monte Carlo for E=384, k=8, T=1, 8 groups gives 2.57 (PA §6c); this gives 2.56.)"""
+    (Monte Carlo for E=384, k=8, T=1, 8 groups gives 2.57 ([k26-tp8]); this gives 2.56.)"""
     if groups <= 1:
         return unique_experts(n_experts, k, tokens)
     n = n_experts // groups
@@ -241,7 +242,7 @@ def expected_max_group_experts(n_experts: int, k: int, tokens: float, groups: in
 
 def attention_layer_params(c: ModelConfig) -> tuple[int, int]:
     """(A, B) parameters of one MLA layer: A = q_a + kv_a + the layer's norms (replicated under the default
-    TP layout), B = q_b + kv_b + o (split by heads). Kimi: A = 15.15M, B = 85.98M (PA §6b: 101.1M total)."""
+    TP layout), B = q_b + kv_b + o (split by heads). Kimi: A = 15.15M, B = 85.98M ([k26-bytes]: 101.1M total)."""
     h, H = c.hidden_size, c.num_attention_heads
     a = h * c.q_lora_rank + h * (c.kv_lora_rank + c.qk_rope_head_dim)
     norms = 2 * h + c.q_lora_rank + c.kv_lora_rank
@@ -251,23 +252,23 @@ def attention_layer_params(c: ModelConfig) -> tuple[int, int]:
 
 
 def expert_params(c: ModelConfig) -> int:
-    """One SwiGLU expert: gate, up, down = 3 h I (Kimi: 44.04M, PA §6b)."""
+    """One SwiGLU expert: gate, up, down = 3 h I (Kimi: 44.04M, [k26-bytes])."""
     return 3 * c.hidden_size * c.moe_intermediate_size
 
 
 def moe_layer_bytes(c: ModelConfig, expert_bytes_per_param: float = INT4_BYTES_PER_PARAM) -> float:
-    """All routed experts of one MoE layer (Kimi INT4: 384 x 44.04M x 0.5625 B = 9.51 GB, DESIGN §1)."""
+    """All routed experts of one MoE layer (Kimi INT4: 384 x 44.04M x 0.5625 B = 9.51 GB, [design-measured])."""
     return c.n_routed_experts * expert_params(c) * expert_bytes_per_param
 
 
 def kv_bytes_per_token(c: ModelConfig, kv_dtype_bytes: float = 2) -> float:
-    """Latent KV over all layers: L (kv_lora + rope) bytes (Kimi bf16: 70,272 B = 70.3 KB, PA §6b)."""
+    """Latent KV over all layers: L (kv_lora + rope) bytes (Kimi bf16: 70,272 B = 70.3 KB, [k26-bytes])."""
     return c.num_hidden_layers * c.latent_dim * kv_dtype_bytes
 
 
 def checkpoint_bytes(c: ModelConfig, weight_dtype_bytes: float = 2,
                      expert_bytes_per_param: float = INT4_BYTES_PER_PARAM) -> float:
-    """Stored weights: everything at ``weight_dtype_bytes`` except routed experts (Kimi: ~594 GB, PA §6b)."""
+    """Stored weights: everything at ``weight_dtype_bytes`` except routed experts (Kimi: ~594 GB, [k26-bytes])."""
     from kimi_jax.config import param_count
     routed = c.num_moe_layers * c.n_routed_experts * expert_params(c)
     return (param_count(c) - routed) * weight_dtype_bytes + routed * expert_bytes_per_param
@@ -296,7 +297,7 @@ def round_components(config: ModelConfig, tokens_per_step: float, context: int =
       placed E/d per device; the busiest device sets the time), ``tp_ep`` (experts TP over ``tp`` x EP over
       ``devices/tp``; default tp = devices/2), ``dp_attn`` (attention weights replicated, sequences split over
       devices; experts TP).
-    replicate_small: the default TP layout (q_a/kv_a and router replicated on every rank, PA §6c/§7); False
+    replicate_small: the default TP layout (q_a/kv_a and router replicated on every rank, [k26-tp8]); False
       shards them too (the "fully sharded ideal").
     independent_tokens: tokens that route independently, for the unique-expert count (default: all
       ``tokens_per_step``, the uniform upper bound; ``batch`` is the lower bound where every tree token of a
@@ -367,7 +368,7 @@ def round_components(config: ModelConfig, tokens_per_step: float, context: int =
 
 def n_allreduce(config: ModelConfig, devices: int, drafter: DrafterSpec | None = None) -> int:
     """Small-message all-reduces per round: 2 per layer (after attention, after MLP/MoE) + 1 for the logits
-    (Kimi TP8: 2 x 61 + 1 = 123, PA §5); the drafter adds 2 per layer + 1. Zero on one device. The same count is
+    (Kimi TP8: 2 x 61 + 1 = 123, [allreduce]); the drafter adds 2 per layer + 1. Zero on one device. The same count is
     used for every strategy (EP psum / DP-attention gather+scatter also sync twice per layer)."""
     if devices <= 1:
         return 0
@@ -474,9 +475,9 @@ class DesignOverhead:
 
         overhead = (L * kernels_per_layer + L_draft * kernels_per_drafter_layer + round_kernels) * kernel_tail_s
 
-    Defaults are assumptions to be replaced by the fusion count of the compiled HLO and a measured tail: PA §5
-    counts 15-25 kernels/layer at 2.5-4 us (launch gap + tail, under CUDA graphs) in today's engines; a
-    fused XLA layer is assumed at 12 kernels and the launch-free tail at 2 us.
+    Defaults are assumptions to be replaced by the fusion count of the compiled HLO and a measured tail:
+    [kernel-overhead] counts 15-25 kernels/layer at 2.5-4 us (launch gap + tail, under CUDA graphs) in today's
+    engines; a fused XLA layer is assumed at 12 kernels and the launch-free tail at 2 us.
     """
     kernels_per_layer: int = 12
     kernels_per_drafter_layer: int = 10

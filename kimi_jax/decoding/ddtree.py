@@ -2,9 +2,10 @@
 
 Everything here is pure JAX with static shapes, batched over a leading dim B, and jittable: no host round
 trips and no Python loops over data (the loops below run over the static depth L or over log2 of the size).
+Bracketed tags refer to entries of docs/sources.md.
 
-Tree building (research/ddtree.md section 2)
---------------------------------------------
+Tree building ([ddtree-build])
+------------------------------
 The drafter gives L per-position distributions q_1..q_L. The best tree of N nodes under the surrogate
 Q(y) = prod_d q_d(y_d) is the set of the N most probable non-empty prefixes (Prop. 2 of the DDTree paper).
 The paper finds them with a best-first heap over rank tuples (Algorithm 1); we compute the same set, in the
@@ -40,7 +41,7 @@ Padding: when fewer than N prefixes exist (V + V^2 + ... + V^L < N) the tail slo
 token 0, parent 0, depth 0 and score -inf. They appear after every valid node. The engine masks them out of
 attention and the walk never enters them.
 
-Acceptance (research/ddtree.md section 3): `walk` follows, from the root, the child whose token equals the
+Acceptance ([ddtree-accept]): `walk` follows, from the root, the child whose token equals the
 target's token at the current node, and stops at the first node with no such child; that node's target
 token is the bonus. Greedy decoding passes the per-node argmax (`accept_greedy`), sampling passes one
 independent target sample per node; the walk is identical, which is what makes sampling lossless. The walk

@@ -15,7 +15,7 @@ dense oracle.
 Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
 gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
 
-Exact softmax splitting (research/ddtree.md section 6 item 3, SGLang #29706): the keys split into the committed
+Exact softmax splitting ([sglang-29706]; tags refer to docs/sources.md): the keys split into the committed
 prefix (no mask beyond ``s < lengths``, shared by every query) and the ``t`` tree rows (the ancestor mask). Each
 part gives a partial state (running max ``m``, sum ``l``, unnormalised output ``acc``) and the states merge by
 log-sum-exp: ``o = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i``.

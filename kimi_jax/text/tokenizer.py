@@ -20,8 +20,8 @@ complete UTF-8 characters.  :func:`load_tokenizer` opens a Kimi checkpoint
 directory (``tiktoken.model`` + ``tokenizer_config.json``) or a directory saved
 by :meth:`BPETokenizer.save` (``tokenizer.tiktoken`` + ``tokenizer.json``).
 
-Kimi specifics reproduced from ``tokenization_kimi.py`` (see
-docs in shared/research/kimi_k2.md section 6): ranks file of "base64 rank"
+Kimi specifics reproduced from ``tokenization_kimi.py`` (sources: tag
+[kimi-tokenizer] in docs/sources.md): ranks file of "base64 rank"
 lines; 256 + 2 special ids starting at ``len(ranks)`` named from the config's
 ``added_tokens_decoder`` (else the built-in K2/K2.5 table), unnamed ones
 ``<|reserved_token_{id}|>``; the 8-way pre-tokenizer regex with ``&&`` class

@@ -1,4 +1,4 @@
-"""Train a DFlash drafter for a target (research/ddtree.md section 1.2, training-time view).
+"""Train a DFlash drafter for a target ([dflash-drafter] in docs/sources.md, training-time view).
 
 Data are the target's own greedy continuations of corpus prompts (what the drafter must predict at serving
 time). Per training sequence the target's tapped hidden states are computed once; random anchors a pick
