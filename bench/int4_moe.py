@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.ops.int4_format import Int4Experts
-from kimi_jax.ops.int4_moe import int4_moe
+from kimi_jax.ops.int4_moe.api import int4_moe
 
 D, F, TOPK, FULL_EXPERTS = 7168, 2048, 8, 384
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.ops.tree_attention import dense_reference, latent_attention
+from kimi_jax.ops.tree_attention.api import latent_attention
+from kimi_jax.ops.tree_attention.reference import dense_reference
 
 
 def main():

@@ -298,15 +298,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None):
     """Place a params pytree (numpy or jax arrays, identical on every process) onto the mesh."""
-    shardings = param_shardings(cfg, mesh, strategy)
+    return jax.tree.map(place, params, param_shardings(cfg, mesh, strategy))
 
-    def put(x, s):
-        if jax.process_count() == 1:
-            return jax.device_put(x, s)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 
-    return jax.tree.map(put, params, shardings)
+def place(x, s):
+    """One host array (identical on every process) onto sharding ``s`` (None: the default device); across
+    processes each places only its own devices' shards."""
+    if s is None or jax.process_count() == 1:
+        return jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 
 
 def abstract_sharded_params(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None,

@@ -9,13 +9,10 @@ import pytest
 from safetensors import safe_open
 
 from kimi_jax.ops.int4_format import Int4Experts
-from kimi_jax.ops.int4_moe import (
-    PALLAS_BLOCK_M,
-    int4_moe,
-    int4_moe_reference,
-    num_blocks,
-    sort_by_expert,
-)
+from kimi_jax.ops.int4_moe.api import int4_moe
+from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M
+from kimi_jax.ops.int4_moe.reference import int4_moe_reference
+from kimi_jax.ops.int4_moe.routing import num_blocks, sort_by_expert
 
 E, D, F = 8, 256, 64
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

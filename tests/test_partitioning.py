@@ -119,6 +119,7 @@ def test_bad_meshes_name_axis_sizes_and_fix():
         part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((16,), ("tp",)), "tp")
 
 
+@pytest.mark.slow
 def test_int4_experts_under_ep_match():
     """INT4 routed experts through the int4_moe kernel path under EP (ids remapped to local experts)."""
     from kimi_jax.ops.int4_format import Int4Experts

@@ -98,7 +98,8 @@ def first_three(round_fn, seed):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("width", [pytest.param(6, marks=SLOW), 4, pytest.param(2, marks=SLOW), pytest.param(1, marks=SLOW), 0])
+@pytest.mark.parametrize("width", [pytest.param(6, marks=SLOW), pytest.param(4, marks=SLOW), pytest.param(2, marks=SLOW),
+                                   pytest.param(1, marks=SLOW), 0])
 def test_sample_and_walk_matches_the_target_distribution(width):
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (ROWS, L, V))
     samples = first_three(lambda k, p2, r: tree_round(k, p2, r, logits, width=width), seed=0)

@@ -18,6 +18,7 @@ STREAM = np.tile(np.arange(64, dtype=np.int32), 40)            # a learnable cyc
 HP = Hyper(lr=1e-2, warmup=2, total=8, bias_gamma=0.01)
 
 
+@pytest.mark.slow
 def test_train_forward_matches_model():
     p = init_params(CFG, jax.random.PRNGKey(0))
     bias = p["moe_layers"]["moe"]["router_bias"]

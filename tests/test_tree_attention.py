@@ -11,7 +11,8 @@ from kimi_jax.cache import visibility
 from kimi_jax.config import TINY
 from kimi_jax.decoding import ddtree
 from kimi_jax.model import mla
-from kimi_jax.ops.tree_attention import dense_reference, latent_attention
+from kimi_jax.ops.tree_attention.api import latent_attention
+from kimi_jax.ops.tree_attention.reference import dense_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -85,12 +86,14 @@ def test_big_tree_multiword_mask():
     check_all(q, qpe, kv, [0, 50], mask, block_k=32)
 
 
+@pytest.mark.slow
 def test_k2_head_dims():
     """K2's latent 512 + 64 with 8 heads (a TP-8 shard), t = 8 tree nodes, four query blocks of 16."""
     q, qpe, kv = inputs(5, 1, 8, 8, 512, 64, 64)
     check_all(q, qpe, kv, [40], tree_mask()[:1], scale=0.05, rtol=1e-4, block_q=16, block_k=32)
 
 
+@pytest.mark.slow
 def test_bf16():
     mask = tree_mask()
     q, qpe, kv = inputs(6, 2, 8, 4, 32, 16, 80, jnp.bfloat16)

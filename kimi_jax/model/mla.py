@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import apply_rope, rms_norm
-from kimi_jax.ops.tree_attention import latent_attention
+from kimi_jax.ops.tree_attention.api import latent_attention
 
 MASK_VALUE = -1e30   # finite, so a row with no visible key cannot produce NaN
 
@@ -60,7 +60,7 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
 
 def attend_tree(q_nope, q_pe, kv, lengths, new_mask, p, cfg: ModelConfig, impl: str):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the kernel API
-    (kimi_jax.ops.tree_attention), whose Pallas kernel streams the prefix without a dense [b, t, s] mask."""
+    (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix without a dense [b, t, s] mask."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype)

@@ -27,7 +27,7 @@ from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import swiglu
 from kimi_jax.model.params import layer_specs, with_experts
-from kimi_jax.ops.int4_moe import int4_moe
+from kimi_jax.ops.int4_moe.api import int4_moe
 
 DEFAULT_RUNTIME = Runtime()
 

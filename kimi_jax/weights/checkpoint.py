@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
+from kimi_jax.sharding import place
 
 CONFIG_FILE = "kimi_config.json"
 PARAMS_DIR = "params"
@@ -203,7 +204,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int], dict], globals_: 
     want = flat(specs, is_leaf=_is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     for k in GLOBAL_KEYS:
-        globals_[k] = jax.device_put(globals_[k], flat_sh.get(k))
+        globals_[k] = globals_[k] if isinstance(globals_[k], jax.Array) else place(globals_[k], flat_sh.get(k))
     out = dict(globals_)
     for stack, first, n in (("dense_layers", 0, cfg.first_k_dense_replace),
                             ("moe_layers", cfg.first_k_dense_replace, cfg.num_moe_layers)):
@@ -213,7 +214,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int], dict], globals_: 
         buf = None
         for j in range(n):
             layer = read_layer(first + j)
-            layer = {s: jax.device_put(a, layer_sh.get(s)) for s, a in layer.items()}
+            layer = {s: a if isinstance(a, jax.Array) else place(a, layer_sh.get(s)) for s, a in layer.items()}
             if buf is None:
                 shapes = {s: jax.ShapeDtypeStruct(want[k].shape, layer[s].dtype) for s, k in sub.items()}
                 buf = jax.jit(lambda: {s: jnp.zeros(v.shape, v.dtype) for s, v in shapes.items()},

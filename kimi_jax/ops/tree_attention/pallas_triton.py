@@ -1,29 +1,6 @@
-"""Tree-verify attention over the MLA latent cache: a Pallas flash-decoding kernel, an XLA two-pass path and a
-dense oracle.
+"""Tree-verify attention as one Pallas (Triton) flash-decoding kernel over the latent cache.
 
-``latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale)`` is the attention core of absorbed MLA
-(``mla.attend_absorbed`` between W_UK and W_UV) for ``t`` new tokens (a decode step, a chain or a DDTree tree):
-
-* ``q_lat [b,t,h,r]`` (queries with W_UK folded in), ``q_pe [b,t,h,p]`` (rotated rope part);
-* ``kv [b,s,r+p]``: latent rows ``[c_kv (r) | k_pe (p)]``. The new tokens' rows are already written at slots
-  ``lengths + j`` (j < t);
-* key ``s`` is visible to new token ``i`` iff ``s < lengths[b]`` (committed prefix) or
-  ``s = lengths[b] + j`` with ``new_mask[b, i, j]`` (``kimi_jax.cache.visibility``; slots past the cache end do not
-  exist);
-* ``o_lat[b,i,h] = sum_s softmax_s(scale * (q_lat·c_kv[s] + q_pe·k_pe[s])) c_kv[s]`` (K = V = latent rows).
-
-Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
-gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
-
-Exact softmax splitting ([sglang-29706]; tags refer to docs/sources.md): the keys split into the committed
-prefix (no mask beyond ``s < lengths``, shared by every query) and the ``t`` tree rows (the ancestor mask). Each
-part gives a partial state (running max ``m``, sum ``l``, unnormalised output ``acc``) and the states merge by
-log-sum-exp: ``o = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i``.
-
-**impl="xla"**: that recipe with two dense einsum passes (prefix over all ``s`` slots masked by ``s < lengths``,
-tree over the ``t`` rows gathered at ``lengths + j``), merged by LSE.
-
-**impl="pallas"**: one ``pl.pallas_call`` in the Triton-lowering subset (power-of-two loads, ``fori_loop``,
+One ``pl.pallas_call`` in the Triton-lowering subset (power-of-two loads, ``fori_loop``,
 ``pl.when``; ``interpret`` defaults to "not on a GPU").
 
 - Absorbed MLA is MQA: all heads share the latent rows, so the ``t*h`` (node, head) pairs of a batch row are
@@ -69,11 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.cache import visibility
-
-IMPLS = ("xla", "pallas")
-F32 = jnp.float32
-MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
+from kimi_jax.ops.tree_attention.xla import F32, MASK_VALUE, merge_states, tree_rows
 
 # Pallas (Triton) tiles; see the module docstring.
 PALLAS_BLOCK_Q = 32
@@ -96,71 +69,6 @@ def _prev_pow2(n: int) -> int:
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# references
-
-
-def dense_reference(q_lat, q_pe, kv, lengths, new_mask, scale: float):
-    """The oracle: one softmax over the dense [b, t, s] visibility mask, as ``mla.attend_absorbed`` computes it."""
-    # Inputs upcast (exact) so that XLA:CPU never needs a bf16 x bf16 -> f32 dot, which its DotThunk lacks for
-    # some shapes; the probabilities are still rounded to the cache dtype as attend_absorbed does.
-    r = q_lat.shape[-1]
-    hp = jax.lax.Precision.HIGHEST
-    q_lat, q_pe, c_kv, k_pe = (x.astype(F32) for x in (q_lat, q_pe, kv[..., :r], kv[..., r:]))
-    visible = visibility(lengths, new_mask, kv.shape[1])                         # [b, t, s]
-    scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, precision=hp)
-              + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe, precision=hp))
-    scores = jnp.where(visible[:, None], scores * scale, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(kv.dtype).astype(F32)
-    return jnp.einsum("bhts,bsr->bthr", probs, c_kv, precision=hp)
-
-
-def _tree_rows(kv, lengths, t: int, width: int):
-    """The rows at slots lengths + j (j < width) [b, width, c], zeroed where j >= t or past the cache, and that
-    validity [b, width]."""
-    s = kv.shape[1]
-    slot = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    ok = (jnp.arange(width)[None, :] < t) & (slot < s) & (slot >= 0)
-    rows = jnp.take_along_axis(kv, jnp.clip(slot, 0, s - 1)[:, :, None], axis=1)
-    return jnp.where(ok[:, :, None], rows, jnp.zeros((), kv.dtype)), ok
-
-
-def _partial_state(q_lat, q_pe, c_kv, k_pe, visible, scale):
-    """(m, l, acc) of one key part; visible broadcasts to [b, t, h, s]. acc is unnormalised, float32."""
-    scores = (jnp.einsum("bthr,bsr->bths", q_lat, c_kv, preferred_element_type=F32)
-              + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=F32)) * scale
-    scores = jnp.where(visible, scores, MASK_VALUE)
-    m = jnp.max(scores, axis=-1)
-    probs = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
-    acc = jnp.einsum("bths,bsr->bthr", probs.astype(c_kv.dtype), c_kv, preferred_element_type=F32)
-    return m, jnp.sum(probs, axis=-1), acc
-
-
-def merge_states(m, l, acc, axis: int):
-    """LSE merge of partial states stacked along ``axis`` (m, l: [..., q]; acc: [..., q, r])."""
-    big_m = jnp.max(m, axis=axis, keepdims=True)
-    w = jnp.exp(m - big_m)
-    total = jnp.sum(w * l, axis=axis)
-    out = jnp.sum(jnp.expand_dims(w, -1) * acc, axis=axis)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
-def _latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale):
-    r = q_lat.shape[-1]
-    b, t = new_mask.shape[:2]
-    s = kv.shape[1]
-    prefix_vis = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]           # [b, 1, 1, s]
-    m1, l1, a1 = _partial_state(q_lat, q_pe, kv[..., :r], kv[..., r:], prefix_vis, scale)
-    rows, ok = _tree_rows(kv, lengths, t, t)
-    tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
-    m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
-    return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Pallas path
 
 
 def _dot_nt(a, b):
@@ -241,7 +149,7 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
     return max(1, min(by_occupancy, by_work, n_blocks))
 
 
-def _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
+def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
                              num_splits):
     b, t, h, r_in = q_lat.shape
     p_in = q_pe.shape[-1]
@@ -275,7 +183,7 @@ def _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, inter
 
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
     n_words = tp // TREE_BLOCK
-    tree_kv, ok = _tree_rows(kv[:, :n_slots], lengths, t, tp)
+    tree_kv, ok = tree_rows(kv[:, :n_slots], lengths, t, tp)
     mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]    # [b, t, tp]
     words = jnp.broadcast_to(_pack_mask(mask)[:, :, None, :], (b, t, h, n_words))
     words = pad_q(words)                                                                   # [b, qp, W]
@@ -309,38 +217,3 @@ def _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, inter
     )(lengths.astype(jnp.int32), q2, qpe2, kv, tree_kv, words)
     out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
     return out[:, :n_q, :r_in].reshape(b, t, h, r_in)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# API
-
-
-def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "xla",
-                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
-                     num_splits: int | None = None, out_dtype=None):
-    """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
-
-    q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
-    new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
-    dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl="pallas"``: ``interpret`` defaults to "not on a GPU"; block_q / block_k (powers of two >= 16) and
-    num_splits override the tiling.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    b, t, h, r = q_lat.shape
-    if q_pe.shape[:3] != (b, t, h) or kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != r + q_pe.shape[-1]:
-        raise ValueError(f"shapes disagree: q_lat {q_lat.shape}, q_pe {q_pe.shape}, kv {kv.shape} "
-                         "(want kv [b, s, r + p])")
-    if new_mask.shape != (b, t, t) or lengths.shape != (b,):
-        raise ValueError(f"want new_mask [{b},{t},{t}] and lengths [{b}], got {new_mask.shape}, {lengths.shape}")
-    lengths = lengths.astype(jnp.int32)
-    new_mask = new_mask.astype(bool)
-    if impl == "xla":
-        out = _latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale)
-    else:
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
-        out = _latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
-                                       block_q=block_q, block_k=block_k, num_splits=num_splits)
-    return out.astype(out_dtype or q_lat.dtype)

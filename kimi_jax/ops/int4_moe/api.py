@@ -1,0 +1,73 @@
+"""Routed-expert SwiGLU over INT4 weights: one entry point over two implementations.
+
+``int4_moe(x, topk_idx, topk_weight, experts)`` returns ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) *
+up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in the kernel layout of
+``kimi_jax.ops.int4_format.Int4Experts`` (K-major int32 words; nibble ``i`` of word row ``32c + j`` = input
+``256c + 32i + j``; bf16 scales ``[K/32, N]``).
+
+impl="xla" (``xla.py``, the CPU default) or impl="pallas" (``pallas_triton.py``); both group the pairs by expert
+the same way (``routing.py``); ``reference.py`` is the oracle they are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
+from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas
+from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
+from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
+
+IMPLS = ("xla", "pallas")
+
+
+def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if ex.w13.ndim != 4 or ex.w2.ndim != 3:
+        raise ValueError(f"int4_moe takes one layer's experts (w13 [E, 2, D/8, F]), got w13 {ex.w13.shape}; "
+                         "slice the stacked layer axis first, e.g. jax.tree.map(lambda a: a[i], experts)")
+    if x.ndim != 2 or x.shape[1] != ex.d_model:
+        raise ValueError(f"x must be [T, {ex.d_model}], got {x.shape}")
+    if topk_idx.shape != topk_weight.shape or topk_idx.shape[:1] != x.shape[:1] or topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx {topk_idx.shape} and topk_weight {topk_weight.shape} "
+                         f"must both be [T={x.shape[0]}, k]")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise TypeError(f"topk_idx must be integer, got {topk_idx.dtype}")
+    rows_d, rows_f = ex.w13.shape[-2], ex.w2.shape[-2]
+    if rows_d % WORD_ROWS or rows_f % WORD_ROWS or {rows_d * 8 - ex.d_model, rows_f * 8 - ex.d_ff} - set(range(CHUNK)):
+        raise ValueError(f"expert word rows must come in whole 256-input chunks (w13 {ex.w13.shape}, w2 "
+                         f"{ex.w2.shape}); a tensor-parallel shard of F must be a multiple of {CHUNK}")
+
+
+def _check_block_m(block_m: int, impl: str) -> None:
+    lo = PALLAS_BLOCK_M[0] if impl == "pallas" else 1
+    if block_m < lo or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= {lo} for impl={impl!r}, got {block_m}")
+
+
+def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
+             impl: str = "xla", interpret: bool | None = None, block_m: int | None = None) -> jax.Array:
+    """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
+    ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
+
+    ``impl="pallas"`` runs the Triton-lowered kernels; ``interpret`` defaults to "not on a GPU" (Pallas
+    interpret mode on CPU). ``block_m`` overrides the row block (a power of two; >= 16 for pallas).
+    """
+    _check(x, topk_idx, topk_weight, experts, impl)
+    experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
+    t, k = topk_idx.shape
+    m = t * k
+    lo, hi = PALLAS_BLOCK_M if impl == "pallas" else XLA_BLOCK_M
+    bm = block_m or default_block_m(m, experts.num_experts, lo, hi)
+    _check_block_m(bm, impl)
+    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
+    xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
+    if impl == "xla":
+        out = experts_xla(xs, routing.block_expert, experts)
+    else:
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        out = experts_pallas(xs, routing.block_expert, experts, interpret)
+    return combine(out, routing, topk_weight)

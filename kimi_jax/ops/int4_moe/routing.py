@@ -1,0 +1,74 @@
+"""Grouping the (token, slot) pairs of a MoE layer by expert, shared by both implementations.
+
+Plain jnp, static shapes. The ``M = T*k`` (token, slot) pairs are
+sorted by expert; each expert's run is padded to a multiple of the row block ``bm``, so every row block belongs
+to exactly one expert (the layout vLLM's ``moe_align_block_size`` produces). The number of blocks is bounded
+statically by ``nb = (M + min(E, M) * (bm - 1)) // bm``; blocks past the used ones carry expert ``-1`` and are
+skipped. ``xs`` = the tokens' activations gathered in that order (padding rows are zeros). After the experts,
+each pair's output row is gathered back and the ``k`` rows of a token are summed with their routing weights in
+float32 (a gather, so padding rows and skipped blocks are never read).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_block_m(num_pairs: int, num_experts: int, lo: int, hi: int) -> int:
+    """Power of two near the mean number of rows per touched expert, clamped to [lo, hi]."""
+    touched = max(1, min(num_experts, num_pairs))
+    return min(hi, max(lo, _next_pow2(-(-num_pairs // touched))))
+
+
+class Routing(NamedTuple):
+    """Pairs ``p = t*k + j`` sorted by expert into row blocks of ``bm`` rows, one expert per block."""
+
+    row_pair: jax.Array      # int32 [nb * bm]: pair in each padded row, M for padding rows
+    block_expert: jax.Array  # int32 [nb]: expert of each block, -1 for unused blocks
+    pair_row: jax.Array      # int32 [M]: padded row of each pair
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on sum_e ceil(n_e / bm) when sum_e n_e = M over at most min(E, M) nonempty experts."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def sort_by_expert(topk_idx: jax.Array, num_experts: int, block_m: int) -> Routing:
+    flat = topk_idx.reshape(-1).astype(jnp.int32)
+    m = flat.shape[0]
+    nb = num_blocks(m, num_experts, block_m)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    blocks = -(-counts // block_m)
+    block_end = jnp.cumsum(blocks)                   # first block after expert e's run
+    row_start = (block_end - blocks) * block_m       # expert e's first padded row
+    group_start = jnp.cumsum(counts) - counts        # expert e's first sorted pair
+    sorted_e = flat[order]
+    dest = row_start[sorted_e] + jnp.arange(m, dtype=jnp.int32) - group_start[sorted_e]
+    row_pair = jnp.full(nb * block_m, m, jnp.int32).at[dest].set(order)
+    pair_row = jnp.zeros(m, jnp.int32).at[order].set(dest)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    block_expert = jnp.searchsorted(block_end, b, side="right").astype(jnp.int32)
+    block_expert = jnp.where(b < block_end[-1], block_expert, -1)
+    return Routing(row_pair, block_expert, pair_row)
+
+
+def gather_rows(x: jax.Array, routing: Routing, k: int, width: int) -> jax.Array:
+    """xs[r] = x[token of row r] (zeros for padding rows), columns zero-padded to ``width``."""
+    x = jnp.pad(x, ((0, 1), (0, width - x.shape[1])))         # row t is the zero row padding rows point at
+    return x[routing.row_pair // k]
+
+
+def combine(out: jax.Array, routing: Routing, topk_weight: jax.Array) -> jax.Array:
+    t, k = topk_weight.shape
+    rows = out[routing.pair_row.reshape(t, k)]      # [T, k, D], float32
+    return jnp.sum(rows * topk_weight.astype(F32)[..., None], axis=1)

@@ -1,0 +1,60 @@
+"""Tree-verify attention over the MLA latent cache: one entry point over two implementations.
+
+``latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale)`` is the attention core of absorbed MLA
+(``mla.attend_absorbed`` between W_UK and W_UV) for ``t`` new tokens (a decode step, a chain or a DDTree tree):
+
+* ``q_lat [b,t,h,r]`` (queries with W_UK folded in), ``q_pe [b,t,h,p]`` (rotated rope part);
+* ``kv [b,s,r+p]``: latent rows ``[c_kv (r) | k_pe (p)]``. The new tokens' rows are already written at slots
+  ``lengths + j`` (j < t);
+* key ``s`` is visible to new token ``i`` iff ``s < lengths[b]`` (committed prefix) or
+  ``s = lengths[b] + j`` with ``new_mask[b, i, j]`` (``kimi_jax.cache.visibility``; slots past the cache end do not
+  exist);
+* ``o_lat[b,i,h] = sum_s softmax_s(scale * (q_lat·c_kv[s] + q_pe·k_pe[s])) c_kv[s]`` (K = V = latent rows).
+
+Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
+gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
+
+impl="xla" (``xla.py``, the CPU default) or impl="pallas" (``pallas_triton.py``); ``reference.py`` is the dense
+oracle both are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
+from kimi_jax.ops.tree_attention.xla import latent_attention_xla
+
+IMPLS = ("xla", "pallas")
+
+
+def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "xla",
+                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
+                     num_splits: int | None = None, out_dtype=None):
+    """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
+
+    q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
+    new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
+    dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
+    ``impl="pallas"``: ``interpret`` defaults to "not on a GPU"; block_q / block_k (powers of two >= 16) and
+    num_splits override the tiling.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    b, t, h, r = q_lat.shape
+    if q_pe.shape[:3] != (b, t, h) or kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != r + q_pe.shape[-1]:
+        raise ValueError(f"shapes disagree: q_lat {q_lat.shape}, q_pe {q_pe.shape}, kv {kv.shape} "
+                         "(want kv [b, s, r + p])")
+    if new_mask.shape != (b, t, t) or lengths.shape != (b,):
+        raise ValueError(f"want new_mask [{b},{t},{t}] and lengths [{b}], got {new_mask.shape}, {lengths.shape}")
+    lengths = lengths.astype(jnp.int32)
+    new_mask = new_mask.astype(bool)
+    if impl == "xla":
+        out = latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale)
+    else:
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        out = latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
+                                      block_q=block_q, block_k=block_k, num_splits=num_splits)
+    return out.astype(out_dtype or q_lat.dtype)

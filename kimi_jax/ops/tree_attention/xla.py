@@ -1,0 +1,59 @@
+"""Tree-verify attention in XLA: the exact split of the softmax into the committed prefix and the tree rows.
+
+Exact softmax splitting ([sglang-29706]; tags refer to docs/sources.md): the keys split into the committed
+prefix (no mask beyond ``s < lengths``, shared by every query) and the ``t`` tree rows (the ancestor mask). Each
+part gives a partial state (running max ``m``, sum ``l``, unnormalised output ``acc``) and the states merge by
+log-sum-exp: ``o = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i``.
+
+**impl="xla"**: that recipe with two dense einsum passes (prefix over all ``s`` slots masked by ``s < lengths``,
+tree over the ``t`` rows gathered at ``lengths + j``), merged by LSE.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+F32 = jnp.float32
+MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
+
+
+def tree_rows(kv, lengths, t: int, width: int):
+    """The rows at slots lengths + j (j < width) [b, width, c], zeroed where j >= t or past the cache, and that
+    validity [b, width]."""
+    s = kv.shape[1]
+    slot = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    ok = (jnp.arange(width)[None, :] < t) & (slot < s) & (slot >= 0)
+    rows = jnp.take_along_axis(kv, jnp.clip(slot, 0, s - 1)[:, :, None], axis=1)
+    return jnp.where(ok[:, :, None], rows, jnp.zeros((), kv.dtype)), ok
+
+
+def _partial_state(q_lat, q_pe, c_kv, k_pe, visible, scale):
+    """(m, l, acc) of one key part; visible broadcasts to [b, t, h, s]. acc is unnormalised, float32."""
+    scores = (jnp.einsum("bthr,bsr->bths", q_lat, c_kv, preferred_element_type=F32)
+              + jnp.einsum("bthp,bsp->bths", q_pe, k_pe, preferred_element_type=F32)) * scale
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1)
+    probs = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
+    acc = jnp.einsum("bths,bsr->bthr", probs.astype(c_kv.dtype), c_kv, preferred_element_type=F32)
+    return m, jnp.sum(probs, axis=-1), acc
+
+
+def merge_states(m, l, acc, axis: int):
+    """LSE merge of partial states stacked along ``axis`` (m, l: [..., q]; acc: [..., q, r])."""
+    big_m = jnp.max(m, axis=axis, keepdims=True)
+    w = jnp.exp(m - big_m)
+    total = jnp.sum(w * l, axis=axis)
+    out = jnp.sum(jnp.expand_dims(w, -1) * acc, axis=axis)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale):
+    r = q_lat.shape[-1]
+    b, t = new_mask.shape[:2]
+    s = kv.shape[1]
+    prefix_vis = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]           # [b, 1, 1, s]
+    m1, l1, a1 = _partial_state(q_lat, q_pe, kv[..., :r], kv[..., r:], prefix_vis, scale)
+    rows, ok = tree_rows(kv, lengths, t, t)
+    tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
+    m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
+    return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
