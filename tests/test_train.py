@@ -2,9 +2,9 @@
 moves toward balance, and a resumed run continues at the right step with identical params."""
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kimi_jax.config import TINY
 from kimi_jax.model.params import init_params

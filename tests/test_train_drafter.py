@@ -1,9 +1,9 @@
 """Drafter training sees exactly what serving sees: packed training blocks equal the serving draft."""
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kimi_jax.cache import init_cache
 from kimi_jax.config import preset
