@@ -1,6 +1,7 @@
 """Model invariants on tiny random configs, the full K2.6 config abstractly, and bad input."""
 
 import json
+import os
 import shutil
 import time
 
@@ -172,4 +173,16 @@ def test_checkpoint_shape_disagrees_with_config(tmp_path):
     hf["q_lora_rank"] = 48
     (d / "config.json").write_text(json.dumps(hf))
     with pytest.raises(checkpoint.CheckpointError, match="q_a_proj.weight.*shape"):
+        kimi_jax.load(str(d))
+
+
+def test_damaged_weight_file_is_a_checkpoint_error_naming_the_array(tmp_path):
+    """A truncated orbax data file surfaces at the loader as CheckpointError with the array and byte range named
+    (storage errors are caught at that one boundary)."""
+    src = FIXTURES.parent.parent / "checkpoints" / "target"
+    d = tmp_path / "target"
+    shutil.copytree(src, d)
+    biggest = max((d / "params").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
+    os.truncate(biggest, biggest.stat().st_size // 2)
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot read the orbax checkpoint .*params.*Error reading"):
         kimi_jax.load(str(d))

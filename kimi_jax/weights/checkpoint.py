@@ -68,8 +68,21 @@ def restore_tree(path: str, target=None):
     import orbax.checkpoint as ocp
     if target is None:
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored_tree(path))
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(path), target)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(os.path.abspath(path), target)
+    except Exception as e:   # orbax/tensorstore raise bare Exceptions for truncated, emptied or missing files
+        detail = _storage_detail(e)
+        raise CheckpointError(f"cannot read the orbax checkpoint {path}: {detail}; the files are damaged or "
+                              "incomplete: re-run the conversion (it resumes) or restore a good copy") from None
+
+
+def _storage_detail(e: BaseException) -> str:
+    """The most telling line of an orbax/tensorstore failure: the innermost cause (which names the array and the
+    byte range), on one line."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    return " ".join(str(e).split())[:300]
 
 
 def flat(tree, is_leaf=None) -> dict:
