@@ -51,11 +51,14 @@ class Model:
         self.params = params
         self.tokenizer = tokenizer
         self.drafter = drafter            # kimi_jax.decoding.drafter.Drafter or None
-        self.mesh = mesh
         self.runtime = (runtime or Runtime()).replace(mesh=mesh)   # kernels + mesh, passed to every program
         self._programs = {}
         self._costs = {}
         self._compute_params = None
+
+    @property
+    def mesh(self):
+        return self.runtime.mesh
 
     @property
     def compute_params(self):

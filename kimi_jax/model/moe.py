@@ -29,8 +29,6 @@ from kimi_jax.model.layers import swiglu
 from kimi_jax.model.params import layer_specs, with_experts
 from kimi_jax.ops.int4_moe.api import int4_moe
 
-DEFAULT_RUNTIME = Runtime()
-
 
 def route(x, router, bias, cfg: ModelConfig):
     """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]."""
@@ -102,7 +100,7 @@ def _routed_f32(x, ids, weights, experts, rt: Runtime):
     return int4_moe(x, ids, weights, experts, impl=rt.moe_impl).astype(jnp.float32)
 
 
-def routed_experts(x, ids, weights, experts, rt: Runtime = DEFAULT_RUNTIME):
+def routed_experts(x, ids, weights, experts, rt: Runtime = Runtime()):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [n, d]."""
     return _routed_f32(x, ids, weights, experts, rt).astype(x.dtype)
 
@@ -112,7 +110,7 @@ def expert_loads(ids, num_experts: int):
     return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
 
 
-def moe_block(x, p, cfg: ModelConfig, rt: Runtime = DEFAULT_RUNTIME):
+def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime()):
     """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E])."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
@@ -187,7 +185,7 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
 FLOAT_EXPERTS_MAX_BYTES = 1 << 30
 
 
-def compute_params(params, cfg: ModelConfig, rt: Runtime = DEFAULT_RUNTIME):
+def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
     """The weights the generation programs compute with (made once per loaded model by kimi_jax.api).
 
     On the XLA MoE path INT4 experts are unpacked inside every forward, once per touched expert: on a CPU that

@@ -17,7 +17,7 @@ from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model import mla
 from kimi_jax.model.layers import rms_norm, swiglu, yarn_inv_freq
-from kimi_jax.model.moe import DEFAULT_RUNTIME, moe_block
+from kimi_jax.model.moe import moe_block
 
 
 class LayerContext(NamedTuple):
@@ -59,7 +59,7 @@ class ForwardOut(NamedTuple):
 
 
 def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None, new_mask=None,
-            taps: Sequence[int] = (), attn_form: str = "absorbed", rt: Runtime = DEFAULT_RUNTIME) -> ForwardOut:
+            taps: Sequence[int] = (), attn_form: str = "absorbed", rt: Runtime = Runtime()) -> ForwardOut:
     """Run new tokens [b, t] against the cache.
 
     positions: RoPE positions [b, t] (default lengths + t; a draft tree passes lengths + depth).
@@ -113,13 +113,13 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
 
 
 def causal_forward(params, cfg: ModelConfig, tokens, attn_form: str = "full",
-                   rt: Runtime = DEFAULT_RUNTIME) -> ForwardOut:
+                   rt: Runtime = Runtime()) -> ForwardOut:
     """A plain causal forward over tokens [b, t] with a fresh cache of t slots (not kept): the reference path
     and the training forward."""
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
     return forward(params, cfg, tokens, cache, attn_form=attn_form, rt=rt)
 
 
-def full_logits(params, cfg: ModelConfig, tokens, attn_form: str = "full", rt: Runtime = DEFAULT_RUNTIME):
+def full_logits(params, cfg: ModelConfig, tokens, attn_form: str = "full", rt: Runtime = Runtime()):
     """Logits [b, t, vocab] of a plain causal forward."""
     return causal_forward(params, cfg, tokens, attn_form, rt).logits

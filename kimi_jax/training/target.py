@@ -34,6 +34,7 @@ import numpy as np
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.moe import to_compute_layout
+from kimi_jax.model.params import with_experts
 from kimi_jax.model.transformer import causal_forward
 from kimi_jax.training import corpus
 from kimi_jax.training.optim import Hyper, adamw, lr_at
@@ -109,10 +110,8 @@ def train_forward(params, cfg: ModelConfig, tokens):
     The serving forward itself (full-form attention); the routed experts in the dense layout
     (``moe.to_compute_layout``: every token through every expert, weighted by its routing coefficient), whose
     backward has no per-token weight gathers, which are slow to differentiate on a CPU."""
-    moe = params["moe_layers"]["moe"]
-    dense = {**params, "moe_layers": {**params["moe_layers"],
-                                      "moe": {**moe, "experts": to_compute_layout(moe["experts"], cfg, dense=True)}}}
-    out = causal_forward(dense, cfg, tokens, attn_form="full")
+    dense = to_compute_layout(params["moe_layers"]["moe"]["experts"], cfg, dense=True)
+    out = causal_forward(with_experts(params, dense), cfg, tokens, attn_form="full")
     return out.logits, out.loads
 
 

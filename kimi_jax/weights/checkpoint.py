@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 from typing import Callable
 
@@ -30,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
-from kimi_jax.sharding import place
+from kimi_jax.sharding import per_device_bytes, place
 
 CONFIG_FILE = "kimi_config.json"
 PARAMS_DIR = "params"
@@ -85,12 +84,15 @@ def _storage_detail(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
+def _path_key(path) -> str:
+    """'moe_layers/moe/experts/w13': one spelling of a tree path for dicts and dataclasses (orbax stores both as
+    dicts)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def flat(tree, is_leaf=None) -> dict:
-    """{'moe_layers/moe/experts/w13': leaf}: one path spelling for dicts and dataclasses (orbax stores both as dicts)."""
-    def name(k):
-        return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-    return {"/".join(map(name, path)): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+    """{path key: leaf} of a tree (see ``_path_key``)."""
+    return {_path_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
 def _is_spec(x):
@@ -111,7 +113,7 @@ def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -
                                   f"config implies {tuple(spec.shape)}")
 
     def target(p, meta):
-        key = "/".join(str(getattr(k, "key", k)) for k in p)
+        key = _path_key(p)
         keep = dtype is None or want[key].dtype is not None or not jnp.issubdtype(meta.dtype, jnp.floating)
         return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype, sharding=shardings.get(key))
 
@@ -179,12 +181,13 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
     globals_ = _restore_checked(os.path.join(directory, GLOBALS_DIR), {k: want[k] for k in GLOBAL_KEYS},
                                 {k: flat_sh[k] for k in GLOBAL_KEYS if k in flat_sh}, dtype, "globals")
 
-    def layer(i):
+    layer_want = {stack: {s: ParamSpec(want[k].shape[1:], want[k].axes[1:], dtype=want[k].dtype)
+                          for s, k in _per_layer_paths(want, stack).items()}
+                  for stack in ("dense_layers", "moe_layers")}
+
+    def layer(i, layer_sh):
         stack = "moe_layers" if i >= cfg.first_k_dense_replace else "dense_layers"
-        sub = {k[len(stack) + 1:]: k for k in want if k.startswith(stack + "/")}
-        layer_want = {s: ParamSpec(want[k].shape[1:], want[k].axes[1:], dtype=want[k].dtype) for s, k in sub.items()}
-        layer_sh = {s: _drop_leading_axis(flat_sh[k]) for s, k in sub.items() if k in flat_sh}
-        return _restore_checked(layer_dir(directory, i), layer_want, layer_sh, dtype, f"layer {i}")
+        return _restore_checked(layer_dir(directory, i), layer_want[stack], layer_sh, dtype, f"layer {i}")
 
     return cfg, stack_layers(cfg, layer, globals_, shardings)
 
@@ -206,9 +209,15 @@ def _drop_leading_axis(sharding):
     raise CheckpointError(f"cannot derive a per-layer sharding from {type(sharding).__name__}; pass NamedShardings")
 
 
-def stack_layers(cfg: ModelConfig, read_layer: Callable[[int], dict], globals_: dict, shardings=None):
-    """The params pytree from per-layer reads: ``read_layer(i)`` gives decoder layer i as {per-layer flat path:
-    array} (host or device arrays), ``globals_`` the embedding, final norm and lm_head.
+def _per_layer_paths(want: dict, stack: str) -> dict:
+    """{per-layer path: stacked path} of one layer stack ('attn/q_a' -> 'moe_layers/attn/q_a')."""
+    return {k[len(stack) + 1:]: k for k in want if k.startswith(stack + "/")}
+
+
+def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], globals_: dict, shardings=None):
+    """The params pytree from per-layer reads: ``read_layer(i, layer_shardings)`` gives decoder layer i as
+    {per-layer flat path: array} (host arrays, or device arrays already on ``layer_shardings``, the per-layer
+    shardings, {} without a mesh); ``globals_`` holds the embedding, final norm and lm_head.
 
     Each layer is placed onto its per-layer shardings and written into its slot of the stacked arrays, which are
     allocated on device with the stacked shardings; a layer is dropped before the next is read, so the host holds
@@ -221,12 +230,12 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int], dict], globals_: 
     out = dict(globals_)
     for stack, first, n in (("dense_layers", 0, cfg.first_k_dense_replace),
                             ("moe_layers", cfg.first_k_dense_replace, cfg.num_moe_layers)):
-        sub = {k[len(stack) + 1:]: k for k in want if k.startswith(stack + "/")}  # per-layer path -> stacked path
+        sub = _per_layer_paths(want, stack)
         out_sh = {s: flat_sh[k] for s, k in sub.items()} if flat_sh else None
         layer_sh = {s: _drop_leading_axis(flat_sh[k]) for s, k in sub.items()} if flat_sh else {}
         buf = None
         for j in range(n):
-            layer = read_layer(first + j)
+            layer = read_layer(first + j, layer_sh)
             layer = {s: a if isinstance(a, jax.Array) else place(a, layer_sh.get(s)) for s, a in layer.items()}
             if buf is None:
                 shapes = {s: jax.ShapeDtypeStruct(want[k].shape, layer[s].dtype) for s, k in sub.items()}
@@ -254,14 +263,9 @@ def load_plan(cfg: ModelConfig, shardings, dtype=jnp.bfloat16) -> dict:
     """What loading ``cfg`` onto ``shardings`` takes, without reading anything: bytes per device (the largest
     shard of every weight), the largest single layer (what the host holds at once) and the whole checkpoint."""
     abstract = abstract_params(cfg, dtype)
-
-    def nbytes(a, shape=None):
-        return int(jnp.dtype(a.dtype).itemsize * math.prod(a.shape if shape is None else shape))
-
-    per_device = sum(nbytes(a, s.shard_shape(a.shape)) for a, s in zip(jax.tree.leaves(abstract),
-                                                                       jax.tree.leaves(shardings)))
-    layer = max((sum(nbytes(a) for a in jax.tree.leaves(abstract[stack])) // n)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    layer = max(per_device_bytes(abstract[stack]) // n
                 for stack, n in (("dense_layers", cfg.first_k_dense_replace), ("moe_layers", cfg.num_moe_layers))
                 if n)
-    return {"per_device_bytes": per_device, "host_layer_bytes": layer,
-            "total_bytes": sum(nbytes(a) for a in jax.tree.leaves(abstract))}
+    return {"per_device_bytes": per_device_bytes(placed), "host_layer_bytes": layer,
+            "total_bytes": per_device_bytes(abstract)}

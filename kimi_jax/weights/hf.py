@@ -49,32 +49,26 @@ def _t(w):
     return w.T
 
 
-def _heads_in(width_of):
-    """HF [heads * width, in] -> ours [in, heads, width] and back."""
-    return (lambda cfg: lambda w: w.T.reshape(w.shape[1], cfg.num_attention_heads, width_of(cfg)),
-            lambda a: a.reshape(a.shape[0], -1).T)
-
-
-_QB = _heads_in(lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim)
-_KVB = _heads_in(lambda c: c.qk_nope_head_dim + c.v_head_dim)
-
-
 def layer_table(cfg: ModelConfig, i: int) -> dict[str, Tensor]:
     """Decoder layer i: our per-layer leaf path -> Tensor (routed experts excluded: see ``expert_name``)."""
-    pre = f"model.layers.{i}."
+    pre, h = f"model.layers.{i}.", cfg.num_attention_heads
     linear = lambda name: Tensor(pre + name, _t, _t)                      # noqa: E731
     plain = lambda name: Tensor(pre + name)                               # noqa: E731
+
+    def per_head_out(name, width):   # HF [heads * width, in] <-> ours [in, heads, width]
+        return Tensor(pre + name, lambda w: w.T.reshape(w.shape[1], h, width), lambda a: a.reshape(a.shape[0], -1).T)
+
     table = {
         "attn_norm": plain("input_layernorm.weight"),
         "mlp_norm": plain("post_attention_layernorm.weight"),
         "attn/q_a": linear("self_attn.q_a_proj.weight"),
         "attn/q_a_norm": plain("self_attn.q_a_layernorm.weight"),
-        "attn/q_b": Tensor(pre + "self_attn.q_b_proj.weight", _QB[0](cfg), _QB[1]),
+        "attn/q_b": per_head_out("self_attn.q_b_proj.weight", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
         "attn/kv_a": linear("self_attn.kv_a_proj_with_mqa.weight"),
         "attn/kv_a_norm": plain("self_attn.kv_a_layernorm.weight"),
-        "attn/kv_b": Tensor(pre + "self_attn.kv_b_proj.weight", _KVB[0](cfg), _KVB[1]),
+        "attn/kv_b": per_head_out("self_attn.kv_b_proj.weight", cfg.qk_nope_head_dim + cfg.v_head_dim),
         "attn/o": Tensor(pre + "self_attn.o_proj.weight",
-                         lambda w: w.T.reshape(cfg.num_attention_heads, cfg.v_head_dim, -1),
+                         lambda w: w.T.reshape(h, cfg.v_head_dim, -1),
                          lambda a: a.reshape(-1, a.shape[-1]).T),
     }
     if i < cfg.first_k_dense_replace:
@@ -331,7 +325,7 @@ def is_hf_checkpoint(directory: str) -> bool:
 
 def stack_from(source: HFCheckpoint, shardings=None, dtype=np.float32):
     """The params of an opened HF checkpoint, read one layer at a time onto ``shardings`` (weights.checkpoint)."""
-    def layer(i):
+    def layer(i, _):   # host arrays; stack_layers places them
         tree = source.read_layer(i, dtype)
         source.reader.release()
         return tree
