@@ -2,8 +2,6 @@
 
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -77,19 +75,43 @@ def test_drafter_that_does_not_fit_its_target(tmp_path):
         load_drafter(str(tmp_path), TARGET.replace(hidden_size=32))
 
 
+@pytest.mark.parametrize("change, msg", [
+    (dict(architectures=["DFlash2DraftModel"]), "DFlash2 drafters .* are not supported yet"),
+    (dict(dflash_config={"mask_token_id": 250, "selector_rank": 16}), "DFlash2 drafters"),
+    (dict(dflash_config={"mask_token_id": 250, "draft_temperature": 0.5}),
+     "dflash_config field 'draft_temperature' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(layer_types=["chunked_attention"] * 2), "layer type 'chunked_attention' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope type 'llama3' is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                        "truncate": False}), "truncate=false"),
+])
+def test_unsupported_drafter_configs_are_refused_by_name(tmp_path, change, msg):
+    cfg, _ = public_layout(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(dflash.DrafterError, match=msg):
+        load_drafter(str(tmp_path), TARGET.replace(hidden_size=64))
+
+
+def test_k26_drafter_preset_has_the_published_size():
+    """6 layers of hidden 7168, 64/8 heads of 128, fc over six taps: 6.48 GiB in bf16, as z-lab publishes it."""
+    c = dflash.PRESETS["kimi-k2.6-dflash"]
+    assert c.target_layer_ids == tuple(dflash.build_target_layer_ids(61, 6))
+    n = dflash.param_count(c)
+    assert n == 3_479_277_056 and round(2 * n / 2**30, 2) == 6.48
+    assert dflash.feature_slots(c, 262_144) == 4096                 # the context window bounds the ring
+
+
 @pytest.mark.slow
-def test_block_is_not_causal():
-    """Changing a later block slot changes earlier slots' logits (bidirectional inside the block)."""
-    from kimi_jax.model.params import init_params
-    dc = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=16, intermediate_size=64, vocab_size=256, block_size=4, mask_token_id=255,
-                              target_layer_ids=(0,))
-    target = init_params(TARGET, jax.random.key(0))
-    p = dflash.init_params(dc, jax.random.key(1))
-    k = v = jnp.zeros((1, 1, 4, 2, 16))
-    vis = jnp.zeros((1, 4, 4), bool)
-    full = jnp.ones((1, 4, 4), bool)
-    pos = jnp.arange(4)[None]
-    a = dflash.block_logits(p, dc, target, jnp.asarray([[5, 255, 255, 255]]), pos, k, v, vis, full)
-    b = dflash.block_logits(p, dc, target, jnp.asarray([[5, 255, 255, 7]]), pos, k, v, vis, full)
-    assert not np.allclose(a[0, 1], b[0, 1])
+def test_k26_round_with_its_drafter_compiles_on_eight_devices():
+    """One whole DDTree round of the full K2.6 target and the K2.6 DFlash drafter, AOT on a TP-8 mesh of fake
+    devices, with a target cache longer than the drafter's window."""
+    from kimi_jax.analysis.sweep import compile_ddtree_round
+    from kimi_jax.config import KIMI_K26
+    c = dflash.PRESETS["kimi-k2.6-dflash"]
+    row = compile_ddtree_round(KIMI_K26, c, "tp=8", "tp", batch=1, budget=16, context=8192)
+    assert row["drafter_bytes"] == 2 * dflash.param_count(c)                     # replicated, bf16
+    # ring of 4096 slots x 6 layers x 8 KV heads x 128, K and V, bf16
+    assert row["feature_cache_bytes"] == 4096 * 6 * 8 * 128 * 2 * 2
+    assert row["weight_bytes"] < 100e9                                           # the target is sharded 8 ways

@@ -141,7 +141,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
 def test_mask_token_survives_in_output(target):
     """A genuine output token equal to the drafter's mask id is kept (the output tracks lengths, not masks)."""
     first = kimi_jax.Model(CFG, target).generate([[5, 6, 7]], 6, method="ar").tokens[0]
-    dcfg = DCFG.__class__(**{**DCFG.to_dict(), "target_layer_ids": DCFG.target_layer_ids, "mask_token_id": first[2]})
+    dcfg = DCFG.replace(mask_token_id=first[2])
     m = kimi_jax.Model(CFG, target, drafter=dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1))))
     assert m.generate([[5, 6, 7]], 6, method="ddtree", budget=6).tokens[0] == first
 
@@ -175,7 +175,7 @@ def test_bad_arguments(model, target):
             [list(range(14))], 4, method="ddtree", budget=8)
     for bad, msg in [(dict(hidden_size=32, head_dim=8), "hidden_size 32"), (dict(vocab_size=300), "vocab_size 300")]:
         with pytest.raises(dflash.DrafterError, match=msg):
-            dflash.DrafterConfig(**{**DCFG.to_dict(), **bad, "target_layer_ids": (0, 2)}).check_target(CFG)
+            DCFG.replace(**{**bad, "target_layer_ids": (0, 2)}).check_target(CFG)
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from kimi_jax.config import KIMI_K26, ModelConfig
+from kimi_jax.decoding.drafter import KIMI_K26_DFLASH
 
 GB = 1e9
 MS = 1e-3
@@ -208,10 +209,8 @@ class DrafterSpec:
                    block_size=g("block_size", default=8))
 
 
-# z-lab/Kimi-K2.5-DFlash [kimi-dflash]: 6 layers, hidden 7168, 64 heads, 8 KV heads, head_dim 128,
-# 6 taps, block 8. intermediate 18432 is inferred: it is the value that gives the card's ~6.5 GiB (6.48 GiB).
-KIMI_DFLASH = DrafterSpec(layers=6, hidden=7168, heads=64, kv_heads=8, head_dim=128, intermediate=18432,
-                          n_taps=6, target_hidden=7168, block_size=8)
+# The public Kimi DFlash drafter [kimi-dflash], the preset the engine runs (kimi_jax.decoding.drafter).
+KIMI_DFLASH = DrafterSpec.from_config(KIMI_K26_DFLASH)
 
 
 # ---- counting -----------------------------------------------------------------------------------------------

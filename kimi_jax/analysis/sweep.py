@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -61,6 +62,44 @@ def _step(params, cache, tokens, positions, new_mask, *, cfg, rt):
     from kimi_jax.model.transformer import forward
     out = forward(params, cfg, tokens, cache, positions=positions, new_mask=new_mask, rt=rt)
     return out.cache, jax.numpy.argmax(out.logits, axis=-1).astype(jax.numpy.int32)
+
+
+def compile_ddtree_round(cfg, dcfg, mesh_spec: str = "tp=8", strategy: str = "tp", batch: int = 1,
+                         budget: int = 16, context: int = COMPILE_CONTEXT) -> dict:
+    """AOT-compile one whole DDTree round (draft, build tree, verify, accept, commit) of target ``cfg`` with
+    drafter ``dcfg`` on a mesh of fake devices, from abstract sharded weights and an abstract state (nothing is
+    allocated). The drafter and its feature cache are replicated. Returns sizes and the compile time."""
+    from kimi_jax import sharding as part
+    from kimi_jax.config import Runtime
+    from kimi_jax.decoding import drafter as dflash
+    from kimi_jax.decoding import engine
+
+    jnp = jax.numpy
+    mesh = part.make_mesh(mesh_spec)
+    rt = Runtime(mesh=mesh, strategy=strategy)
+    spec = engine.Spec(cfg, "ddtree", budget, False, dcfg, dcfg.block_size, rt=rt)
+    params = part.abstract_sharded_params(cfg, mesh, strategy)
+    rep = part.replicated(mesh)
+    dparams = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),
+                           is_leaf=lambda x: isinstance(x, tuple))
+    prompt = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    with part.mesh_context(mesh):
+        state, _ = jax.eval_shape(functools.partial(engine.prefill, spec=spec, max_new=64, max_len=context),
+                                  params, dparams, prompt, lens, scalar, jax.ShapeDtypeStruct((), jnp.int32))
+        cs = part.cache_sharding(cfg, mesh, strategy, batch=batch)
+        shardings = jax.tree.map(lambda _: rep, state).replace(cache=cs)
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+        t0 = time.perf_counter()
+        step = jax.jit(engine.round_step, static_argnames=("spec",))
+        compiled = step.lower(params, dparams, spec=spec, state=state).compile()
+    mem = compiled.memory_analysis()
+    return dict(mesh=mesh_spec, strategy=strategy, batch=batch, budget=budget, context=context,
+                compile_s=round(time.perf_counter() - t0, 1), drafter_params=dflash.param_count(dcfg),
+                drafter_bytes=part.per_device_bytes(dparams),
+                feature_cache_bytes=part.per_device_bytes(state.drafter), weight_bytes=part.per_device_bytes(params),
+                temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0))
 
 
 def checkpoint_bytes(cfg) -> tuple[int, int]:

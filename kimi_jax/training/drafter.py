@@ -65,7 +65,8 @@ def packed_logits(dparams, dcfg, target_params, taps, anchors, tokens, positions
     ctx_visible = jnp.arange(t)[None, None, :] < jnp.repeat(anchors, bs, axis=1)[:, :, None]
     block_id = jnp.arange(nb * bs) // bs
     block_mask = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, nb * bs, nb * bs))
-    return dflash.block_logits(dparams, dcfg, target_params, tokens, positions, k, v, ctx_visible, block_mask)
+    return dflash.block_logits(dparams, dcfg, target_params, tokens, positions, k, v, ctx_pos, ctx_visible,
+                               block_mask)
 
 
 def loss_fn(dparams, dcfg, target_params, taps, anchors, tokens, positions, labels, gamma):
