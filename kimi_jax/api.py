@@ -277,7 +277,7 @@ _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_
 
 
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None,
-         runtime: Runtime | None = None) -> Model:
+         runtime: Runtime | None = None, verify: bool | None = None) -> Model:
     """Load a kimi_jax checkpoint (orbax, stacked or layered) or an HF checkpoint directory (float or
     compressed-tensors INT4: K2.6 as published), optionally with a DFlash drafter.
 
@@ -285,6 +285,8 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     straight onto them (the host holds about one layer at a time). ``dtype`` casts the floating weights (INT4
     experts stay INT4); the default keeps the stored dtype, except on the CPU, where XLA's float32 matmuls are
     faster and exact enough to compare against references. ``runtime``: kernel choices (kimi_jax.Runtime).
+    ``verify``: checksum every weight file of a kimi_jax checkpoint against its manifest (sizes are always
+    checked; None checksums only small checkpoints such as the embedded default).
     """
     if dtype is None and jax.default_backend() == "cpu":
         dtype = jnp.float32
@@ -294,7 +296,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     if checkpoint.is_kimi_checkpoint(path):
         cfg = checkpoint.read_config(path)
         shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
-        cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype)
+        cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype, verify=verify)
     elif hf.is_hf_checkpoint(path):
         source = hf.HFCheckpoint(path)
         cfg = source.config
@@ -310,7 +312,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
             raise
     model = Model(cfg, params, tokenizer=tok, mesh=mesh, runtime=runtime)
     if drafter is not None:
-        model.drafter = load_drafter(drafter, cfg)
+        model.drafter = load_drafter(drafter, cfg, verify=verify)
         if mesh is not None:          # the drafter is small: replicated on every device of the mesh
             model.drafter.params = jax.device_put(model.drafter.params, sharding.replicated(mesh))
     return model

@@ -1,8 +1,9 @@
 """``python -m kimi_jax.convert``: the conversion CLI, kimi_jax.cli.convert."""
 
-import sys
+import importlib
 
-from kimi_jax.cli.convert import main
+from kimi_jax.cli.exits import exit_with, run_command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The CLI (and JAX) is imported inside run_command: Ctrl-C while it loads is one line and status 130 too.
+    exit_with(run_command("kimi_jax.convert", lambda: importlib.import_module("kimi_jax.cli.convert").main()))

@@ -125,17 +125,44 @@ def test_killed_midway_then_resume_is_identical(k26, converted, tmp_path):
     assert not checkpoint.is_kimi_checkpoint(out)
     stats = convert.convert_hf(k26["dir"], out, progress=False)
     assert (stats["converted"], stats["skipped"]) == (1, 2)
-    ref_dir = converted[0]
+    assert_same_checkpoint(out, converted[0])
+    with pytest.raises(CheckpointError, match="already holds"):
+        convert.convert_hf(k26["dir"], out, progress=False)
+
+
+def assert_same_checkpoint(out, ref_dir):
+    """Same config bytes and bit-identical arrays (orbax's file names are random, so files are not compared)."""
     assert open(os.path.join(out, "kimi_config.json"), "rb").read() == \
         open(os.path.join(ref_dir, "kimi_config.json"), "rb").read()
-    a = checkpoint.flat(checkpoint.restore(out)[1])
+    a = checkpoint.flat(checkpoint.restore(out, verify=True)[1])
     b = checkpoint.flat(checkpoint.restore(ref_dir)[1])
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
-    with pytest.raises(CheckpointError, match="already holds"):
-        convert.convert_hf(k26["dir"], out, progress=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_convert_exits_130_and_the_rerun_resumes(k26, converted, tmp_path):
+    """SIGINT right after layer 1 is written: one line, status 130, no checkpoint yet; the same command again
+    converts the rest and the result equals an uninterrupted conversion."""
+    out = str(tmp_path / "ckpt")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    interrupted = ("import os, signal, sys\n"
+                   "from kimi_jax.cli.exits import exit_with, run_command\n"
+                   "from kimi_jax.weights.convert import convert_hf\n"
+                   "ctrl_c = lambda i: i == 1 and os.kill(os.getpid(), signal.SIGINT)\n"
+                   "exit_with(run_command('kimi_jax.convert', lambda: [convert_hf(sys.argv[1], sys.argv[2], "
+                   "progress=False, on_layer_written=ctrl_c), 0][1]))\n")
+    res = subprocess.run([sys.executable, "-c", interrupted, k26["dir"], out], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == "kimi_jax.convert: interrupted"
+    assert not checkpoint.is_kimi_checkpoint(out)
+    res = subprocess.run([sys.executable, "-m", "kimi_jax.convert", "--hf", k26["dir"], "--out", out, "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and "converted 1 layers (skipped 2" in res.stdout, res.stdout + res.stderr
+    assert_same_checkpoint(out, converted[0])
 
 
 def test_truncated_shard_names_it_and_keeps_done_layers(k26, tmp_path):

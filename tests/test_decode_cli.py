@@ -1,12 +1,19 @@
-"""`python -m kimi_jax.decode`: the embedded default runs, and every bad input is one line on stderr + exit != 0."""
+"""`python -m kimi_jax.decode`: the embedded default runs, and every bad input (damaged checkpoints included) is one
+line on stderr + exit != 0; Ctrl-C is one line + exit 130."""
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 from conftest import FIXTURES
+
+import kimi_jax
 
 ROOT = FIXTURES.parent.parent
 TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
@@ -77,3 +84,99 @@ def test_prompt_longer_than_context(tmp_path):
 
 def test_mesh_larger_than_the_devices():
     one_line_error(decode("--mesh", "ep=2", "--method", "ar", "--max-new-tokens", "4"), "needs 2 devices")
+
+
+# ---- damaged checkpoints and Ctrl-C ----------------------------------------------------------------------------
+
+def _largest_weight_file(ckpt):
+    files = [p for p in (ckpt / "params").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _damage(kind, copy):
+    f = _largest_weight_file(copy)
+    if kind == "truncated":
+        os.truncate(f, f.stat().st_size // 2)
+    elif kind == "emptied":
+        os.truncate(f, 0)
+    elif kind == "deleted":
+        f.unlink()
+    elif kind == "bit flip":                            # same size: only the checksum can tell
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    elif kind == "bad manifest":
+        (copy / "manifest.json").write_text('{"format": "kimi_jax-manifest-1", "files": {"params/x": ')
+    return f
+
+
+DAMAGE = ["truncated", "emptied", "deleted", "bit flip", "bad manifest"]
+
+
+@needs_default
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_checkpoint_api_names_the_file(tmp_path, kind):
+    from kimi_jax.weights.checkpoint import CheckpointError
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    f = _damage(kind, copy)
+    named = "manifest.json" if kind == "bad manifest" else f.name
+    with pytest.raises(CheckpointError, match=named):
+        kimi_jax.load(str(copy))
+
+
+@needs_default
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    f = _damage(kind, copy)
+    res = decode("--checkpoint", str(copy), "--drafter", "none", "--max-new-tokens", "2")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    one_line_error(res, "manifest.json" if kind == "bad manifest" else f.name, "damaged" if kind != "deleted"
+                   else "missing")
+
+
+@needs_default
+def test_checkpoint_without_manifest_loads_with_one_note(tmp_path, capfd):
+    """Written before manifests: still loads, and says once that nothing was checked."""
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    (copy / "manifest.json").unlink()
+    a, b = kimi_jax.load(str(copy)), kimi_jax.load(str(copy))
+    assert capfd.readouterr().err.count("has no manifest.json") == 1
+    assert np.array_equal(a.logits([1, 2, 3]), kimi_jax.load(str(TARGET)).logits([1, 2, 3]))
+    del b
+    # without a manifest, damage surfaces from the storage layer: still one CheckpointError naming the checkpoint
+    from kimi_jax.weights.checkpoint import CheckpointError
+    _damage("truncated", copy)
+    with pytest.raises(CheckpointError, match="orbax checkpoint .*params"):
+        kimi_jax.load(str(copy))
+
+
+@needs_default
+def test_verify_flag_checksums_large_checkpoints(tmp_path, monkeypatch):
+    """Above HASH_ALWAYS_BYTES only sizes are checked unless verify=True asks for the checksums."""
+    from kimi_jax.weights import checkpoint
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    _damage("bit flip", copy)
+    monkeypatch.setattr(checkpoint, "HASH_ALWAYS_BYTES", 0)
+    checkpoint.check_manifest(str(copy))                              # sizes only: passes
+    with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+        checkpoint.check_manifest(str(copy), verify=True)
+
+
+@needs_default
+@pytest.mark.slow
+def test_sigint_during_decode_exits_130_with_one_line():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    p = subprocess.Popen([sys.executable, "-m", "kimi_jax.decode", "--max-new-tokens", "400"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and time.perf_counter() - t0 < 10
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "kimi_jax.decode: interrupted", err

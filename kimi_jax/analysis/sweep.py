@@ -196,14 +196,14 @@ def table(rows: list[dict], devices: int = 8, batches=(1, 64), profile: str = "h
 def write(rows: list[dict], out: str = RESULTS) -> list[str]:
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "sweep.json"), os.path.join(out, "sweep.csv")]
-    with open(paths[0], "w") as f:
-        json.dump(rows, f, indent=1)
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(paths[1], "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join(json.dumps(r.get(k, "")) if isinstance(r.get(k), str) else str(r.get(k, ""))
-                             for k in keys) + "\n")
+    csv = [",".join(keys)] + [",".join(json.dumps(r.get(k, "")) if isinstance(r.get(k), str) else str(r.get(k, ""))
+                                       for k in keys) for r in rows]
+    # Each file through a temporary and a rename: an interrupted sweep leaves the previous complete results.
+    for path, text in zip(paths, (json.dumps(rows, indent=1), "\n".join(csv) + "\n")):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
     paths += plot(rows, out)
     return paths
 
@@ -261,6 +261,11 @@ def _parse_cells(filters: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
+    from kimi_jax.cli.exits import run_command
+    return run_command("kimi_jax.analysis.sweep", lambda: _sweep(argv))
+
+
+def _sweep(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_jax.analysis.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell: tp, 8 devices, batch 1, budget 16")
     ap.add_argument("--cells", nargs="*", default=[], help="filters like strategy=tp,ep devices=8 batch=1,64")
@@ -302,7 +307,13 @@ if __name__ == "__main__":
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={max(DEVICES)}").strip()
-    import jax  # noqa: E402
-    raise SystemExit(main())
+    from kimi_jax.cli.exits import exit_with, run_command
+
+    def _import_and_run():
+        global jax
+        import jax  # noqa: E402  (inside run_command: Ctrl-C while JAX loads is handled too)
+        return main()
+
+    exit_with(run_command("kimi_jax.analysis.sweep", _import_and_run))
 else:
     import jax  # noqa: E402

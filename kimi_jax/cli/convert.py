@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from kimi_jax.config import ConfigError
-from kimi_jax.weights.checkpoint import CheckpointError
+from kimi_jax.cli.exits import exit_with, run_command
 from kimi_jax.weights.convert import convert_hf
 
 
@@ -20,12 +18,11 @@ def main(argv=None) -> int:
                    help="storage dtype of the non-expert weights")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    try:
-        stats = convert_hf(a.hf, a.out, progress=not a.quiet, dtype=a.dtype)
-    except (CheckpointError, ConfigError, OSError, ValueError) as e:
-        msg = " ".join(str(e).split())
-        print(f"kimi_jax.convert: error: {msg}", file=sys.stderr)
-        return 1
+    return run_command("kimi_jax.convert", lambda: _convert(a), extra_errors=(ValueError,))
+
+
+def _convert(a) -> int:
+    stats = convert_hf(a.hf, a.out, progress=not a.quiet, dtype=a.dtype)
     print(f"converted {stats['converted']} layers (skipped {stats['skipped']} already done) -> {a.out}: "
           f"{stats['bytes'] / 1e6:.1f} MB read in {stats['seconds']:.1f} s = {stats['mb_per_s']:.1f} MB/s, "
           f"peak RSS {stats['peak_rss_mib']:.0f} MiB")
@@ -33,4 +30,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -13,6 +13,8 @@ import os
 import pathlib
 import sys
 
+from kimi_jax.cli.exits import exit_with, run_command
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = ROOT / "checkpoints" / "target"
 DEFAULT_DRAFTER = ROOT / "checkpoints" / "drafter"
@@ -43,6 +45,8 @@ def _parse(argv):
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
     p.add_argument("--stream", action="store_true", help="print text as each chunk of rounds is accepted")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats)")
+    p.add_argument("--verify", action="store_true",
+                   help="checksum every weight file against the checkpoint's manifest (sizes are always checked)")
     args = p.parse_args(argv)
     if args.budget != "auto":
         try:
@@ -88,7 +92,7 @@ def run(argv=None) -> int:
     else:
         prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
 
-    model = kimi_jax.load(args.checkpoint, drafter=drafter, mesh=args.mesh)
+    model = kimi_jax.load(args.checkpoint, drafter=drafter, mesh=args.mesh, verify=args.verify or None)
     if model.tokenizer is None:
         raise kimi_jax.decoding.engine.GenerationError(f"{args.checkpoint} has no tokenizer; use the Python API with ids")
     method = args.method or ("ddtree" if model.drafter is not None else "ar")
@@ -117,17 +121,8 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from kimi_jax.config import ConfigError
-    from kimi_jax.decoding.drafter import DrafterError
-    from kimi_jax.decoding.engine import GenerationError
-    from kimi_jax.sharding import ShardingError
-    from kimi_jax.weights.checkpoint import CheckpointError
-    try:
-        return run(argv)
-    except (CheckpointError, ConfigError, DrafterError, GenerationError, ShardingError, OSError) as e:
-        print(f"kimi_jax.decode: error: {e}", file=sys.stderr)
-        return 1
+    return run_command("kimi_jax.decode", lambda: run(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimi_jax.cli.exits import exit_with, run_command
+
 
 def _parser() -> argparse.ArgumentParser:
     from kimi_jax.training.target import TOKENIZER_VOCAB
@@ -47,11 +49,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.what == "drafter":
-        from kimi_jax.training import drafter
-        return drafter.run(args)
-    from kimi_jax.training import target
-    return target.run(args)
+        from kimi_jax.training import drafter as job
+    else:
+        from kimi_jax.training import target as job
+    return run_command(f"kimi_jax.train {args.what}", lambda: job.run(args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -14,6 +14,11 @@ forms, both read by :func:`restore`:
 Orbax writes into a temporary directory and renames it when complete, and ``kimi_config.json`` is written last
 through an atomic rename, so a directory with ``kimi_config.json`` in it is always complete. Every tensor is
 checked against the shape the config implies; a mismatch names the tensor and both shapes.
+
+Just before the config, ``manifest.json`` records every weight file's size and CRC-32. Loading checks every size
+first (a stat per file), and the CRC-32s too when the weights total at most ``HASH_ALWAYS_BYTES`` (the embedded
+default: milliseconds) or when asked (``verify=True``, ``--verify``); a mismatch is a one-line
+``CheckpointError`` naming the file. Checkpoints written before manifests load with a one-time note.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
+import sys
+import zlib
 from typing import Callable
 
 import jax
@@ -36,6 +44,10 @@ PARAMS_DIR = "params"
 LAYERS_DIR = "layers"
 GLOBALS_DIR = "globals"
 GLOBAL_KEYS = ("embed", "final_norm", "lm_head")
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "kimi_jax-manifest-1"
+HASH_ALWAYS_BYTES = 512 << 20
+REPAIR = "re-run the conversion or training that wrote it (both resume) or restore a good copy"
 
 
 class CheckpointError(ValueError):
@@ -57,8 +69,15 @@ def stored_tree(path: str) -> dict:
     import orbax.checkpoint as ocp
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.metadata(os.path.abspath(path)).item_metadata.tree
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(os.path.abspath(path))
+    except Exception as e:   # orbax/tensorstore: damaged or missing files
+        raise CheckpointError(f"cannot read the orbax checkpoint {path}: {_storage_detail(e)}; {REPAIR}") from None
+    if meta is None or meta.item_metadata is None:
+        raise CheckpointError(f"cannot read the metadata of the orbax checkpoint {path}: files are missing or "
+                              f"damaged; {REPAIR}")
+    return meta.item_metadata.tree
 
 
 def restore_tree(path: str, target=None):
@@ -73,7 +92,7 @@ def restore_tree(path: str, target=None):
     except Exception as e:   # orbax/tensorstore raise bare Exceptions for truncated, emptied or missing files
         detail = _storage_detail(e)
         raise CheckpointError(f"cannot read the orbax checkpoint {path}: {detail}; the files are damaged or "
-                              "incomplete: re-run the conversion (it resumes) or restore a good copy") from None
+                              f"incomplete: {REPAIR}") from None
 
 
 def _storage_detail(e: BaseException) -> str:
@@ -120,6 +139,67 @@ def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -
     return flat(restore_tree(path, jax.tree_util.tree_map_with_path(target, stored)))
 
 
+# ---- the manifest ----------------------------------------------------------------------------------------------
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_manifest(directory: str, subdirs) -> None:
+    """``manifest.json``: size and CRC-32 of every file under ``subdirs`` (atomic rename)."""
+    files = {}
+    for sub in subdirs:
+        for root, dirs, names in os.walk(os.path.join(directory, sub)):
+            dirs.sort()
+            for name in sorted(names):
+                full = os.path.join(root, name)
+                files[os.path.relpath(full, directory)] = {"size": os.path.getsize(full), "crc32": _crc32(full)}
+    write_config(directory, MANIFEST_FILE, {"format": MANIFEST_FORMAT, "files": files})
+
+
+_NOTED: set[str] = set()
+
+
+def check_manifest(directory: str, verify: bool | None = None) -> None:
+    """Every file the manifest lists exists with its size (and, if ``verify`` or the weights are small, its
+    CRC-32); else a CheckpointError naming the file. No manifest: a one-time note, nothing checked."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.exists(path):
+        if directory not in _NOTED:
+            _NOTED.add(directory)
+            print(f"kimi_jax: note: {directory} has no {MANIFEST_FILE} (written before manifests): file sizes "
+                  "and checksums are not checked", file=sys.stderr)
+        return
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not all(
+                isinstance(v.get("size"), int) and isinstance(v.get("crc32"), str) for v in files.values()):
+            raise ValueError("unexpected format")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); {REPAIR}") from None
+    if verify is None:
+        verify = sum(v["size"] for v in files.values()) <= HASH_ALWAYS_BYTES
+    for rel, want in files.items():
+        full = os.path.join(directory, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{full} is missing; {REPAIR}")
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            raise CheckpointError(f"{full} is {size} bytes, the manifest says {want['size']}: the file is damaged; "
+                                  f"{REPAIR}")
+    if verify:
+        for rel, want in files.items():
+            if _crc32(os.path.join(directory, rel)) != want["crc32"]:
+                raise CheckpointError(f"{os.path.join(directory, rel)} does not match its checksum in "
+                                      f"{MANIFEST_FILE}: the file is damaged; {REPAIR}")
+
+
 # ---- kimi_jax checkpoint directories ------------------------------------------------------------------------
 
 def save(directory: str, cfg: ModelConfig, params) -> None:
@@ -136,13 +216,17 @@ def write_config(directory: str, config_file: str, config: dict) -> None:
 
 
 def write_tree(directory: str, tree, config_file: str, config: dict) -> None:
-    """orbax ``params/``, then the config JSON: a directory with the config file in it is always complete."""
+    """orbax ``params/``, its manifest, then the config JSON: a directory with the config file in it is always
+    complete."""
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, PARAMS_DIR)
     if os.path.exists(target):
-        raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
+        if os.path.exists(os.path.join(directory, config_file)):
+            raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
+        shutil.rmtree(target)    # no config: an interrupted earlier write, never a checkpoint
     save_tree(target, tree)
+    write_manifest(directory, [PARAMS_DIR])
     write_config(directory, config_file, config)
 
 
@@ -164,11 +248,13 @@ def is_layered(directory: str) -> bool:
     return os.path.isdir(os.path.join(directory, LAYERS_DIR))
 
 
-def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None):
+def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None, verify: bool | None = None):
     """(config, params); with ``shardings`` (a pytree of jax.sharding.Sharding like the params) every weight is
-    read straight onto its shardings. ``dtype`` casts the floating weights (not the float32 router bias)."""
+    read straight onto its shardings. ``dtype`` casts the floating weights (not the float32 router bias).
+    ``verify``: checksum every file against the manifest (None: only when the weights are small)."""
     directory = os.path.abspath(directory)
     cfg = cfg or read_config(directory)
+    check_manifest(directory, verify)
     specs = param_specs(cfg)
     want = flat(specs, is_leaf=_is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}

@@ -151,6 +151,7 @@ def finalize(cfg: ModelConfig, out_dir: str) -> None:
             os.rename(src, dst)
         elif not os.path.isdir(dst):
             raise CheckpointError(f"{src} is missing; the conversion is incomplete")
+    ckpt.write_manifest(out_dir, [ckpt.LAYERS_DIR, ckpt.GLOBALS_DIR])
     ckpt.write_config(out_dir, ckpt.CONFIG_FILE, cfg.to_dict())
     shutil.rmtree(work)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.decoding.drafter import CONFIG_FILE, Drafter, DrafterConfig, DrafterError, param_shapes
-from kimi_jax.weights.checkpoint import PARAMS_DIR, restore_tree, write_tree
+from kimi_jax.weights.checkpoint import PARAMS_DIR, check_manifest, restore_tree, write_tree
 from kimi_jax.weights.hf import SafetensorsReader
 
 
@@ -38,7 +38,7 @@ def _from_hf_tensors(get, c: DrafterConfig) -> dict:
             "norm": np.asarray(get("norm.weight")), "layers": {k: np.stack(v) for k, v in layers.items()}}
 
 
-def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32) -> Drafter:
+def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool | None = None) -> Drafter:
     """Load a drafter (kimi_jax checkpoint or public DFlash layout) and check it fits the target."""
     if not os.path.isdir(path):
         raise DrafterError(f"drafter directory {path!r} does not exist")
@@ -46,6 +46,7 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32) -> Drafter:
         with open(os.path.join(path, CONFIG_FILE)) as f:
             c = DrafterConfig.from_dict(json.load(f))
         c.check_target(target)
+        check_manifest(os.path.abspath(path), verify)
         params = restore_tree(os.path.join(path, PARAMS_DIR))
         return Drafter(c, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
     if not os.path.exists(os.path.join(path, "config.json")):
