@@ -39,7 +39,7 @@ class Generation:
     stats: dict
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
+def bucket(n: int, minimum: int = 16) -> int:
     """Round lengths up to a power of two so a handful of programs serve every prompt length."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -100,7 +100,8 @@ class Model:
         return out[0] if single else out
 
     # ---- generation --------------------------------------------------------------------------------------
-    def _spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
+    def spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
+        """The static description of the programs that serve a request (engine.Spec)."""
         if budget == "auto":
             budget = None
         if method == "ar":
@@ -131,8 +132,8 @@ class Model:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.nodes + 1}) = {need} "
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
-        t = min(_bucket(longest), context)
-        max_len = min(_bucket(need, 64), context)
+        t = min(bucket(longest), context)
+        max_len = min(bucket(need, 64), context)
         prompt = np.zeros((len(rows), t), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
@@ -191,7 +192,7 @@ class Model:
         """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
         check_request(max_new_tokens, method, budget, temperature)
-        spec = self._spec(method, budget, temperature, block_size)
+        spec = self.spec(method, budget, temperature, block_size)
         return (spec, *self._layout(self.encode(prompt), max_new_tokens, spec))
 
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv (Python >= 3.12), installs kimi_jax, then
 #   bash scripts/dev.sh decode [args...]   runs `python -m kimi_jax.decode` (the embedded default)
+#   bash scripts/dev.sh serve [args...]    runs `python -m kimi_jax.serve` (the OpenAI-compatible server)
 #   bash scripts/dev.sh test [pytest args] runs the whole test suite on the CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,7 @@ find_python() {
 
 extras="test"
 [ "$cmd" = "decode" ] && extras=""
+[ "$cmd" = "serve" ] && extras="serve"
 stamp=".venv/.kimi_jax_installed${extras:+_$extras}"
 if [ ! -x .venv/bin/python ] || [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if [ ! -x .venv/bin/python ]; then
@@ -38,6 +40,7 @@ fi
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 case "$cmd" in
   decode) exec .venv/bin/python -m kimi_jax.decode "$@" ;;
+  serve)  exec .venv/bin/python -m kimi_jax.serve "$@" ;;
   test)   exec .venv/bin/python -m pytest "$@" ;;
-  *)      echo "usage: bash scripts/dev.sh decode|test [args...]" >&2; exit 2 ;;
+  *)      echo "usage: bash scripts/dev.sh decode|serve|test [args...]" >&2; exit 2 ;;
 esac

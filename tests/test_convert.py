@@ -103,7 +103,7 @@ def test_convert_logits_match_dequantised_reference(k26, converted):
     assert stats["converted"] == 3 and stats["bytes"] > 0 and stats["peak_rss_mib"] > 0
     assert not os.path.exists(os.path.join(out, convert.WORK_DIR))
     # the layered form: one orbax directory per decoder layer + globals, no stacked params/
-    assert sorted(os.listdir(out)) == ["globals", "kimi_config.json", "layers"]
+    assert sorted(os.listdir(out)) == ["globals", "kimi_config.json", "layers", "manifest.json"]
     assert sorted(os.listdir(os.path.join(out, "layers"))) == ["layer_000", "layer_001", "layer_002"]
 
 

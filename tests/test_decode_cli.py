@@ -146,13 +146,9 @@ def test_checkpoint_without_manifest_loads_with_one_note(tmp_path, capfd):
     (copy / "manifest.json").unlink()
     a, b = kimi_jax.load(str(copy)), kimi_jax.load(str(copy))
     assert capfd.readouterr().err.count("has no manifest.json") == 1
+    assert np.array_equal(a.logits([1, 2, 3]), b.logits([1, 2, 3]))
     assert np.array_equal(a.logits([1, 2, 3]), kimi_jax.load(str(TARGET)).logits([1, 2, 3]))
-    del b
-    # without a manifest, damage surfaces from the storage layer: still one CheckpointError naming the checkpoint
-    from kimi_jax.weights.checkpoint import CheckpointError
-    _damage("truncated", copy)
-    with pytest.raises(CheckpointError, match="orbax checkpoint .*params"):
-        kimi_jax.load(str(copy))
+    # (its damage surfaces from orbax as a CheckpointError: tests/test_model.py, test_damaged_weight_file_...)
 
 
 @needs_default

@@ -117,7 +117,7 @@ def test_tree_verify_equals_causal_forward_over_each_path(target):
 def test_caches_after_every_round(model, ar_tokens, patch_draft):
     """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
-    spec = model._spec("ddtree", 8, 0.0)
+    spec = model.spec("ddtree", 8, 0.0)
     prompt, lens, max_len = model._layout(model.encode(PROMPTS), 24, spec)
     args = model._args(prompt, lens, 0.0, 0)
     state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
@@ -188,7 +188,7 @@ def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
 # ---- budget="auto": the cost-model width ----------------------------------------------------------------
 
 def _auto_program(model, prompts, max_new):
-    spec = model._spec("ddtree", "auto", 0.0)
+    spec = model.spec("ddtree", "auto", 0.0)
     prompt, lens, max_len = model._layout(model.encode(prompts), max_new, spec)
     program, _ = model._program(spec, prompt, max_new, max_len)
     return spec, program, prompt, lens, max_len

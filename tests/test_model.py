@@ -177,11 +177,12 @@ def test_checkpoint_shape_disagrees_with_config(tmp_path):
 
 
 def test_damaged_weight_file_is_a_checkpoint_error_naming_the_array(tmp_path):
-    """A truncated orbax data file surfaces at the loader as CheckpointError with the array and byte range named
-    (storage errors are caught at that one boundary)."""
+    """Without a manifest (an old checkpoint), a truncated orbax data file surfaces at the loader as
+    CheckpointError with the array and byte range named (storage errors are caught at that one boundary)."""
     src = FIXTURES.parent.parent / "checkpoints" / "target"
     d = tmp_path / "target"
     shutil.copytree(src, d)
+    (d / "manifest.json").unlink()
     biggest = max((d / "params").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
     os.truncate(biggest, biggest.stat().st_size // 2)
     with pytest.raises(checkpoint.CheckpointError, match=r"cannot read the orbax checkpoint .*params.*Error reading"):

@@ -278,9 +278,12 @@ def test_chat_template_options(kimi_dir):
     assert "<|im_system|>tool<|im_middle|>## Return of functions.get:0\nsunny<|im_end|>" in s
 
 
-def test_bpe_has_no_chat_template(bpe):
-    with pytest.raises(NoChatTemplateError, match="no chat template"):
-        bpe.apply_chat_template([{"role": "user", "content": "hi"}])
+def test_bpe_chat_format_is_plain_comment_lines(bpe):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert bpe.apply_chat_template(msgs) == "# system: be brief\n# user: hi\n# assistant:"
+    assert bpe.decode(bpe.encode_chat(msgs, add_generation_prompt=False)) == "# system: be brief\n# user: hi\n"
+    with pytest.raises(NoChatTemplateError, match="text only"):
+        bpe.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
 
 
 # ------------------------------------------------------------------ BPE trainer

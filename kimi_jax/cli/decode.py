@@ -22,14 +22,24 @@ DEFAULT_PROMPT = ('class Queue:\n    """A first-in, first-out queue."""\n\n    d
                   '    def put(self, item):\n')
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message):                      # one line, not usage + message
-        print(f"kimi_jax.decode: error: {message}", file=sys.stderr)
+        print(f"{self.prog.removeprefix('python -m ')}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
+def parse_budget(p: argparse.ArgumentParser, budget: str):
+    """--budget: 'auto' or a number of tree nodes."""
+    if budget == "auto":
+        return budget
+    try:
+        return int(budget)
+    except ValueError:
+        p.error(f"--budget must be 'auto' or an integer >= 0, got {budget!r}")
+
+
 def _parse(argv):
-    p = _Parser(prog="python -m kimi_jax.decode", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m kimi_jax.decode", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (default: a built-in code prompt)")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -48,11 +58,7 @@ def _parse(argv):
     p.add_argument("--verify", action="store_true",
                    help="checksum every weight file against the checkpoint's manifest (sizes are always checked)")
     args = p.parse_args(argv)
-    if args.budget != "auto":
-        try:
-            args.budget = int(args.budget)
-        except ValueError:
-            p.error(f"--budget must be 'auto' or an integer >= 0, got {args.budget!r}")
+    args.budget = parse_budget(p, args.budget)
     from kimi_jax.api import check_request  # the API's own checks, before anything is loaded
     check_request(args.max_new_tokens, args.method, args.budget, args.temperature)
     return args
@@ -65,7 +71,7 @@ def _stats_line(stats) -> str:
             f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds{shown}, {stats['dispatches']} dispatches]")
 
 
-def _persistent_compile_cache():
+def persistent_compile_cache():
     """Keep compiled programs across runs (the auto policy's program takes ~20 s to compile on a CPU), under
     $KIMI_JAX_CACHE/xla unless the user configured JAX's own cache."""
     import jax
@@ -74,17 +80,22 @@ def _persistent_compile_cache():
         jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
 
 
+def drafter_dir(args) -> str | None:
+    """--drafter: the embedded default's drafter beside the embedded target, 'none' or --method ar for none."""
+    if args.drafter == "none" or args.method == "ar":
+        return None
+    if args.drafter is None and args.checkpoint == str(DEFAULT_TARGET):
+        return str(DEFAULT_DRAFTER)
+    return args.drafter
+
+
 def run(argv=None) -> int:
     args = _parse(argv)
-    _persistent_compile_cache()
+    persistent_compile_cache()
     import kimi_jax
     from kimi_jax.text.tokenizer import StreamDecoder
 
-    drafter = args.drafter
-    if drafter is None and args.checkpoint == str(DEFAULT_TARGET) and args.method != "ar":
-        drafter = str(DEFAULT_DRAFTER)
-    if drafter == "none" or args.method == "ar":
-        drafter = None
+    drafter = drafter_dir(args)
     if args.prompt_file:
         if not os.path.exists(args.prompt_file):
             raise kimi_jax.decoding.engine.GenerationError(f"prompt file {args.prompt_file!r} does not exist")

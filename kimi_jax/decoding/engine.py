@@ -342,6 +342,31 @@ def chunk_program(params, drafter_params, state: State, costs=None, *, spec: Spe
     return run_rounds(params, drafter_params, spec, state, rounds, costs)
 
 
+# ---- continuous batching: rows join and leave a running batch between dispatches --------------------------------
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def join(state: State, row: State, slot) -> State:
+    """Batch row ``slot`` of ``state`` becomes the one-row state ``row`` (a fresh prefill with the same max_len
+    and max_new): its caches, bonus and output. The batch-wide fields (round counter, key, temperature, the auto
+    policy's outlook) stay the batch's."""
+    def put(a, r, axis):
+        return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis)
+
+    drafter = None if state.drafter is None else dflash.FeatureCache(k=put(state.drafter.k, row.drafter.k, 1),
+                                                                     v=put(state.drafter.v, row.drafter.v, 1))
+    return state.replace(cache=KVCache(kv=put(state.cache.kv, row.cache.kv, 1),
+                                       lengths=put(state.cache.lengths, row.cache.lengths, 0)),
+                         drafter=drafter, bonus=put(state.bonus, row.bonus, 0), out=put(state.out, row.out, 0),
+                         n_out=put(state.n_out, row.n_out, 0), done=put(state.done, row.done, 0),
+                         accepted=put(state.accepted, row.accepted, 0))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def retire(state: State, rows) -> State:
+    """Mark rows [b] (bool) done: their slots stop emitting, and a batch with every row done runs no round."""
+    return state.replace(done=state.done | rows)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def steady_rounds_program(params, drafter_params, state: State, force, rounds, *, spec: Spec):
     """``rounds`` (traced) rounds, each from the same committed lengths so the cache never fills and no row

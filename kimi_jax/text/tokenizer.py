@@ -321,20 +321,6 @@ class KimiTokenizer(Tokenizer):
     # ---- chat format
     _ROLE_TAGS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>"}
 
-    @staticmethod
-    def _content_text(content: Any) -> str:
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        # OpenAI-style list of parts; only text parts are supported here.
-        out = []
-        for part in content:
-            if part.get("type") != "text":
-                raise ValueError(f"unsupported content part type {part.get('type')!r} (text only)")
-            out.append(part["text"])
-        return "".join(out)
-
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             *, tools: list[dict] | None = None, thinking: bool | None = None) -> str:
         """Render ``messages`` in Kimi's chat format.
@@ -358,7 +344,7 @@ class KimiTokenizer(Tokenizer):
             parts.append(f"<|im_system|>system<|im_middle|>{self.default_system_prompt}<|im_end|>")
         for m in messages:
             role = m["role"]
-            text = self._content_text(m.get("content"))
+            text = content_text(m.get("content"))
             if role == "tool" and m.get("tool_call_id") is not None:
                 text = f"## Return of {m['tool_call_id']}\n{text}"
             if role == "assistant" and m.get("tool_calls"):
@@ -380,6 +366,20 @@ class KimiTokenizer(Tokenizer):
 
 
 # ----------------------------------------------------------------------------- small BPE
+
+def content_text(content: Any) -> str:
+    """A chat message's content as text: a string, or an OpenAI-style list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part.get("type") != "text":
+            raise NoChatTemplateError(f"unsupported content part type {part.get('type')!r} (text only)")
+        out.append(part["text"])
+    return "".join(out)
+
 
 class BPETokenizer(Tokenizer):
     """Byte-level BPE for the small embedded model, in Kimi's tiktoken format.
@@ -406,6 +406,13 @@ class BPETokenizer(Tokenizer):
     @property
     def mask_id(self) -> int | None:
         return self.special_tokens.get("<|mask|>")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """A plain-text chat format (this vocabulary has no role tokens): a ``# role: content`` line per turn
+        (a comment, which the code model continues naturally), then ``# assistant:`` to prompt the reply."""
+        lines = [f"# {m['role']}: {content_text(m.get('content'))}\n" for m in messages]
+        return "".join(lines) + ("# assistant:" if add_generation_prompt else "")
 
     @property
     def pad_id(self) -> int | None:

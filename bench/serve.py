@@ -1,0 +1,130 @@
+"""Load test of `python -m kimi_jax.serve` on loopback: throughput and latency at several concurrencies, ar vs ddtree.
+
+    python -m bench.serve [--requests 64] [--concurrency 1 4 16] [--max-tokens 64] [--slots 16]
+
+For each method it starts one server (the embedded default, greedy), sends the same `--requests` completions
+(held-out stdlib prompts of 64 tokens, never trained on, id prompts so no tokenizer round trip) at each
+concurrency with streaming on, and reports aggregate tokens/s, p50/p99 time to first token and p50/p99
+per-token latency (time between streamed chunks divided by the tokens in them). Numbers come from one run on
+this machine; the ratios inside one run are the point. JSON goes to bench/results/serve_<backend>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(method, slots, max_tokens):
+    port = _port()
+    cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--method", method, "--max-batch",
+           str(slots), "--max-new-tokens", str(max_tokens), "--max-len", "256", "--queue-size", "256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server failed: {proc.stderr.read()}")
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return proc, url, time.time() - t0
+        except httpx.HTTPError:
+            time.sleep(1)
+
+
+def one(url, ids, max_tokens):
+    t0 = time.perf_counter()
+    stamps = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=600,
+                      json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        usage = None
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            elif ev["choices"] and ev["choices"][0]["text"]:
+                stamps.append(time.perf_counter() - t0)
+    tokens = usage["completion_tokens"]
+    per_token = [(b - a) for a, b in zip(stamps, stamps[1:])]
+    # chunks carry several tokens: spread each gap over the tokens after the first
+    per_token = [g * (len(per_token) / max(tokens - 1, 1)) for g in per_token]
+    return stamps[0] if stamps else float("nan"), per_token, tokens, time.perf_counter() - t0
+
+
+def load_test(url, prompts, concurrency, max_tokens):
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        res = list(pool.map(lambda p: one(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    ttft = np.array([r[0] for r in res])
+    lat = np.array([x for r in res for x in r[1]] or [np.nan])
+    tokens = sum(r[2] for r in res)
+    return dict(concurrency=concurrency, requests=len(prompts), tokens=tokens, wall_s=round(wall, 2),
+                tokens_per_s=round(tokens / wall, 1), ttft_p50_ms=round(1e3 * np.median(ttft), 1),
+                ttft_p99_ms=round(1e3 * np.percentile(ttft, 99), 1),
+                token_p50_ms=round(1e3 * np.nanmedian(lat), 2), token_p99_ms=round(1e3 * np.nanpercentile(lat, 99), 2),
+                single_tokens_per_s=round(np.mean([r[2] / r[3] for r in res]), 1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"])
+    a = ap.parse_args(argv)
+    import kimi_jax
+    from kimi_jax.training.corpus import heldout_prompts
+    tok = kimi_jax.load(os.path.join(ROOT, "checkpoints", "target")).tokenizer
+    prompts = heldout_prompts(tok, a.requests, 64)
+    rows = []
+    for method in a.methods:
+        proc, url, warm = start(method, a.slots, a.max_tokens)
+        print(f"{method}: server up in {warm:.0f}s", flush=True)
+        one(url, prompts[0], 8)                                    # first request after warm-up, not timed
+        for c in a.concurrency:
+            row = dict(method=method, slots=a.slots, **load_test(url, prompts, c, a.max_tokens))
+            tau = [float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines()
+                   if x.startswith("kimi_jax_mean_tau")]
+            row["mean_tau_so_far"] = round(tau[0], 2) if tau else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        proc.terminate()
+        proc.wait(timeout=120)
+    import jax
+    out = os.path.join(ROOT, "bench", "results", f"serve_{jax.default_backend()}.json")
+    with open(out, "w") as f:
+        json.dump({"text": "held-out stdlib files (kimi_jax.training.corpus.heldout_prompts, 64-token windows)",
+                   "max_tokens": a.max_tokens, "rows": rows}, f, indent=1)
+    print("| method | concurrency | tokens/s | TTFT p50 / p99 ms | per-token p50 / p99 ms | one request tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} "
+              f"| {r['token_p50_ms']} / {r['token_p99_ms']} | {r['single_tokens_per_s']} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

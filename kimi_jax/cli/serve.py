@@ -1,0 +1,72 @@
+"""`python -m kimi_jax.serve`: an OpenAI-compatible HTTP server with continuous batching over the engine.
+
+With no arguments it serves the embedded default (checkpoints/target + checkpoints/drafter, DDTree with the
+auto budget) on 127.0.0.1:8000. Every program is compiled before the port opens; SIGTERM or Ctrl-C lets the
+running requests finish, then exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from kimi_jax.cli.decode import DEFAULT_TARGET, OneLineParser, drafter_dir, parse_budget, persistent_compile_cache
+from kimi_jax.cli.exits import exit_with, run_command
+
+
+def _parse(argv):
+    p = OneLineParser(prog="python -m kimi_jax.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=str(DEFAULT_TARGET), help="target checkpoint directory")
+    p.add_argument("--drafter", default=None, help="drafter directory ('none' for AR only)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="slots: requests generating at once")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-len", type=int, default=None, help="cache slots per request (default: the context)")
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None)
+    p.add_argument("--budget", default="auto", help="DDTree node budget: 'auto' or a number of nodes")
+    p.add_argument("--rounds-per-dispatch", type=int, default=4)
+    p.add_argument("--queue-size", type=int, default=64, help="waiting requests beyond which the server says 429")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
+    args = p.parse_args(argv)
+    args.budget = parse_budget(p, args.budget)
+    for name in ("max_batch", "max_new_tokens", "rounds_per_dispatch", "queue_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def run(argv=None) -> int:
+    args = _parse(argv)
+    persistent_compile_cache()
+    import uvicorn
+
+    import kimi_jax
+    from kimi_jax.serving.batcher import Batcher
+    from kimi_jax.serving.server import create_app
+
+    model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
+    batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
+                      method=args.method, budget=None if args.budget == "auto" else args.budget,
+                      rounds_per_dispatch=args.rounds_per_dispatch, queue_size=args.queue_size)
+    batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
+    batcher.start()
+    app = create_app(batcher, model.config.name)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=None))
+    print(f"kimi_jax.serve: {batcher.method} with {args.max_batch} slots on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one return, so the drain
+    # ends in status 0 (Ctrl-C still ends in 130 through cli.exits once the open requests have finished).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    batcher.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command("kimi_jax.serve", lambda: run(argv))
+
+
+if __name__ == "__main__":
+    exit_with(main())

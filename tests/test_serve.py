@@ -1,0 +1,230 @@
+"""`python -m kimi_jax.serve` live on 127.0.0.1, driven by the official `openai` client.
+
+One server (the embedded default, DDTree budget 8, 4 slots) serves the whole module; the reference for every
+greedy response is the same request through `Model.generate` alone in this process (AR: greedy DDTree is
+lossless, so the tokens must be AR's). The last test sends SIGTERM and checks the drain.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+import kimi_jax
+
+openai = pytest.importorskip("openai")
+
+ROOT = FIXTURES.parent.parent
+TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
+SLOTS, MAX_NEW, MAX_LEN = 4, 40, 256
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--max-batch", str(SLOTS),
+                             "--max-new-tokens", str(MAX_NEW), "--max-len", str(MAX_LEN), "--budget", "8",
+                             "--queue-size", "32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("server did not come up")
+    yield {"proc": proc, "url": url, "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = kimi_jax.load(str(TARGET))
+    eos = set(model.config.eos_token_ids)
+
+    runs = {}
+
+    def alone(ids, max_tokens):
+        """(text, finish_reason, completion tokens) of greedy decoding; one run of MAX_NEW per prompt serves every
+        shorter max_tokens (greedy output is a prefix of the longer one)."""
+        if tuple(ids) not in runs:
+            runs[tuple(ids)] = model.generate([ids], MAX_NEW, method="ar").tokens[0]
+        tokens = runs[tuple(ids)][:max_tokens]
+        finish = "stop" if tokens and tokens[-1] in eos else "length"
+        return model.tokenizer.decode([t for t in tokens if t not in eos]), finish, len(tokens)
+
+    return model, alone
+
+
+def _prompts(model, n):
+    """Held-out snippets (not the stdlib corpus) of different lengths."""
+    base = ["def area(r):\n    return", "import json\n\nclass Config:\n    def __init__(self, path):\n",
+            "for line in open('log.txt'):\n    if 'ERROR' in line:\n        ", "x = [i * i for i in",
+            "# parse the command line\nimport argparse\nparser = argparse.ArgumentParser(", "while True:\n"]
+    return [base[i % len(base)] * (1 + i // len(base)) for i in range(n)]
+
+
+def test_completion_and_chat_equal_the_request_alone(server, reference):
+    model, alone = reference
+    client = server["client"]
+    prompt = "def mean(values):\n    total ="
+    want = alone(model.tokenizer.encode(prompt), 24)
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=24, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    assert r.usage.prompt_tokens == len(model.tokenizer.encode(prompt))
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                            model=model.config.name))
+    assert "".join(c.choices[0].text for c in chunks) == want[0] and chunks[-1].choices[0].finish_reason == want[1]
+
+    messages = [{"role": "user", "content": "a stack class"}]
+    want = alone(model.tokenizer.encode_chat(messages), 20)
+    r = client.chat.completions.create(model=model.config.name, messages=messages, max_tokens=20, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == want
+    stream = client.chat.completions.create(model=model.config.name, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == want[2]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[0]
+
+
+def test_models_health_and_metrics(server, reference):
+    model, _ = reference
+    assert [m.id for m in server["client"].models.list().data] == [model.config.name]
+    assert httpx.get(server["url"] + "/health").json()["slots"] == SLOTS
+    text = httpx.get(server["url"] + "/metrics").text
+    for name in ("kimi_jax_requests_total", "kimi_jax_completion_tokens_total", "kimi_jax_mean_tau",
+                 "kimi_jax_queue_depth", "kimi_jax_time_to_first_token_seconds_bucket",
+                 "kimi_jax_token_latency_seconds_bucket"):
+        assert name in text, name
+
+
+def test_sixteen_concurrent_requests_each_equal_the_request_alone(server, reference):
+    """16 requests of different prompt and output lengths on 4 slots: rows join and leave the running batch;
+    no response may differ from the same request run alone (no tokens mixed between slots)."""
+    model, alone = reference
+    prompts = _prompts(model, 16)
+    lengths = [8 + (7 * i) % (MAX_NEW - 8) for i in range(16)]
+    want = [alone(model.tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+
+    def ask(i):
+        r = server["client"].completions.create(model=model.config.name, prompt=prompts[i], max_tokens=lengths[i],
+                                                temperature=0, stream=i % 2 == 0)
+        if i % 2 == 0:
+            chunks = list(r)
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert got == [w[:2] for w in want]
+    tau = [float(line.split()[-1]) for line in httpx.get(server["url"] + "/metrics").text.splitlines()
+           if line.startswith("kimi_jax_mean_tau")]
+    assert tau and tau[0] >= 1.0
+
+
+def test_stop_string_ends_the_text_before_it(server, reference):
+    model, alone = reference
+    prompt = "def area(r):\n    return"
+    full, _, _ = alone(model.tokenizer.encode(prompt), 30)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    r = server["client"].completions.create(model=model.config.name, prompt=prompt, max_tokens=30, temperature=0,
+                                            stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, reference):
+    model, _ = reference
+    with httpx.stream("POST", server["url"] + "/v1/completions", timeout=60,
+                      json={"prompt": "while True:\n", "max_tokens": MAX_NEW, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    deadline = time.time() + 30
+    while httpx.get(server["url"] + "/health").json()["active"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server["url"] + "/health").json()["active"] == 0
+
+
+BAD = [({"prompt": "x", "max_tokens": 4, "method": "beam"}, "method"),
+       ({"prompt": "x", "max_tokens": 4, "method": "dflash"}, "not served"),
+       ({"prompt": "x = 1\n" * 400, "max_tokens": 4}, "at most"),
+       ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+       ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "limit"),
+       ({"prompt": "x", "max_tokens": 4, "n": 2}, "n > 1"),
+       ({"prompt": [99999], "max_tokens": 4}, "vocabulary"),
+       ({"messages": [], "max_tokens": 4}, "messages")]
+
+
+def test_bad_requests_are_400s_and_others_complete(server, reference):
+    model, alone = reference
+    prompt = "import json\n\nclass Config:\n"
+    want = alone(model.tokenizer.encode(prompt), MAX_NEW)
+
+    def good():
+        r = server["client"].completions.create(model=model.config.name, prompt=prompt, max_tokens=MAX_NEW,
+                                                temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(good) for _ in range(2)]
+        for body, word in BAD:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(server["url"] + path, json=body, timeout=60)
+            assert r.status_code == 400, (body, r.text)
+            assert word in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(server["url"] + "/v1/completions", content=b'{"prompt": "x", ', timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        assert [f.result() for f in running] == [want[:2]] * 2
+
+
+def test_sigterm_drains_running_requests_and_exits_0(server, reference):
+    model, alone = reference
+    prompt = "for line in open('log.txt'):\n"
+    want = alone(model.tokenizer.encode(prompt), MAX_NEW)
+    with httpx.stream("POST", server["url"] + "/v1/completions", timeout=120,
+                      json={"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        server["proc"].send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data:")]
+    events = [json.loads(x[5:]) for x in [first] + rest if x != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == want[0]
+    assert server["proc"].wait(timeout=60) == 0
+
+
+def test_queue_bound_answers_full(reference):
+    from kimi_jax.serving.batcher import Batcher, QueueFull, Request
+    model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
+    b = Batcher(model, max_batch=2, max_new=8, max_len=128, budget=4, queue_size=3)   # not started: nothing runs
+    noop = lambda *_: None  # noqa: E731
+    for _ in range(3):
+        b.submit(Request([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
+    with pytest.raises(QueueFull, match="3 requests are waiting"):
+        b.submit(Request([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
+    assert b.queue_depth == 3 and np.all([r is None for r in b._slots])
