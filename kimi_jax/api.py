@@ -13,6 +13,7 @@ tokens each chunk accepted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Iterator
@@ -22,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import sharding
+from kimi_jax.cache import init_cache
 from kimi_jax.config import ModelConfig, Runtime
+from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.moe import compute_params
-from kimi_jax.model.transformer import full_logits
+from kimi_jax.model.transformer import chunked_forward, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
@@ -94,9 +97,15 @@ class Model:
         rows = self.encode(ids[None] if single else ids)
         if len(rows[0]) > self.config.max_position_embeddings:
             raise GenerationError(f"{len(rows[0])} tokens exceed the context of {self.config.max_position_embeddings}")
+        ids = np.asarray(rows, np.int32)
+        t, chunk = ids.shape[1], self.runtime.prefill_chunk
         with sharding.mesh_context(self.mesh):
-            out = np.asarray(_full_logits(self.params, self.config, jnp.asarray(np.asarray(rows, np.int32)),
-                                          rt=self.runtime))
+            if t <= chunk:
+                out = _full_logits(self.params, self.config, jnp.asarray(ids), rt=self.runtime)
+            else:                           # in chunks against a cache: memory O(chunk x t), not O(t^2)
+                padded = np.pad(ids, ((0, 0), (0, -t % chunk)))
+                out = _chunked_logits(self.params, self.config, jnp.asarray(padded), rt=self.runtime)[:, :t]
+        out = np.asarray(out)
         return out[0] if single else out
 
     # ---- generation --------------------------------------------------------------------------------------
@@ -134,10 +143,24 @@ class Model:
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
         t = min(bucket(longest), context)
         max_len = min(bucket(need, 64), context)
+        self._check_cache_fits(len(rows), max_len)
         prompt = np.zeros((len(rows), t), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
         return prompt, np.asarray([len(r) for r in rows], np.int32), max_len
+
+    def _check_cache_fits(self, rows: int, max_len: int) -> None:
+        """A GenerationError naming the bytes if the latent cache (+ drafter features) cannot fit the device."""
+        cfg = self.config
+        need = cfg.num_hidden_layers * rows * max_len * cfg.latent_dim * jnp.dtype(self.params["embed"].dtype).itemsize
+        if self.drafter is not None:
+            d = self.drafter.config
+            need += 2 * d.num_hidden_layers * rows * dflash.feature_slots(d, max_len) * d.num_key_value_heads * \
+                d.head_dim * jnp.dtype(self.drafter.params["fc"].dtype).itemsize
+        free = device_memory_bytes()
+        if self.mesh is None and free is not None and need > free:
+            raise GenerationError(f"a cache of {max_len} positions for {rows} rows needs {need / 2**30:.2f} GiB but "
+                                  f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
     def _program(self, spec, prompt, max_new, max_len):
         key = (spec, prompt.shape, max_new, max_len)
@@ -256,6 +279,14 @@ class Model:
         yield self._result(out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
 
 
+def device_memory_bytes() -> int | None:
+    """Free bytes on the default device, where the backend reports them (GPUs do; the CPU does not: None)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
 def check_request(max_new_tokens, method, budget, temperature) -> None:
     """The model-independent checks of a generation request (the CLI runs them before loading anything);
     the message names the argument and the fix."""
@@ -275,6 +306,12 @@ def _check_finite(nan_flag):
 
 
 _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_form", "rt"))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("rt",))
+def _chunked_logits(params, cfg, tokens, rt):
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+    return chunked_forward(params, cfg, tokens, cache, rt.prefill_chunk, rt=rt).logits
 
 
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None,

@@ -137,16 +137,20 @@ class Runtime:
     moe_impl / attn_impl: "xla" or "pallas" for the INT4 expert matmul and the tree-verify attention
     (kimi_jax.ops). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
-    ``strategy`` names one. Frozen and hashable, so it travels as a jit static argument.
+    ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
+    O(chunk x context) instead of O(prompt^2)). Frozen and hashable, so it travels as a jit static argument.
     """
     moe_impl: str = "xla"
     attn_impl: str = "xla"
     mesh: Any = None
     strategy: str | None = None
+    prefill_chunk: int = 1024
 
     def __post_init__(self):
         if self.moe_impl not in IMPLS or self.attn_impl not in IMPLS:
             raise ConfigError(f"moe_impl/attn_impl must be one of {IMPLS}, got {self.moe_impl}/{self.attn_impl}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
     def replace(self, **kw) -> "Runtime":
         return dataclasses.replace(self, **kw)

@@ -35,7 +35,7 @@ from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import ddtree
 from kimi_jax.decoding import drafter as dflash
-from kimi_jax.model.transformer import ForwardOut, forward
+from kimi_jax.model.transformer import ForwardOut, chunked_forward, forward
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -136,9 +136,14 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     key = jax.random.key(seed)
     b = prompt.shape[0]
     cache = init_cache(cfg, b, max_len, params["embed"].dtype)
-    fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), rt=spec.rt)
+    chunk = spec.rt.prefill_chunk
+    if prompt.shape[1] > chunk and prompt.shape[1] % chunk == 0:    # prompt widths are powers of two
+        fwd = chunked_forward(params, cfg, prompt, cache, chunk, last=prompt_lens - 1, taps=_taps(spec), rt=spec.rt)
+        last = fwd.logits[:, 0]
+    else:
+        fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), rt=spec.rt)
+        last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     cache = KVCache(kv=fwd.cache.kv, lengths=prompt_lens.astype(jnp.int32))
-    last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = _choose(last, spec, temperature, sub)
     drafter = None

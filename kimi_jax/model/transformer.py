@@ -115,6 +115,40 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
     return ForwardOut(logits, KVCache(kv=kv, lengths=cache.lengths), tapped[:len(taps)], loads)
 
 
+def chunked_forward(params, cfg: ModelConfig, tokens, cache: KVCache, chunk: int, *, last=None,
+                    taps: Sequence[int] = (), attn_form: str = "absorbed", rt: Runtime = Runtime()) -> ForwardOut:
+    """``forward`` of tokens [b, t] (t a multiple of ``chunk``) in a scan over chunks of ``chunk`` tokens, each
+    attending to the cache so far plus itself: activations O(chunk x cache slots) instead of O(t x t).
+
+    last [b]: keep only the logits at position last[b] (returned as [b, 1, vocab]); None keeps all [b, t, vocab]
+    (what ``Model.logits`` returns; a long prompt's prefill needs one row). Taps are kept for every position.
+    """
+    b, t = tokens.shape
+    if t % chunk:
+        raise ValueError(f"{t} tokens are not a whole number of chunks of {chunk}")
+    n = t // chunk
+
+    def body(c, xs):
+        kv, i = c
+        toks = xs
+        out = forward(params, cfg, toks, KVCache(kv=kv, lengths=cache.lengths + i * chunk), taps=taps,
+                      attn_form=attn_form, rt=rt)
+        if last is None:
+            logits = out.logits
+        else:                               # the row's last position, if it falls in this chunk (else zeros)
+            j = last - i * chunk
+            hit = (j >= 0) & (j < chunk)
+            logits = jnp.where(hit[:, None, None], jnp.take_along_axis(
+                out.logits, jnp.clip(j, 0, chunk - 1)[:, None, None], axis=1), 0.0)
+        return (out.cache.kv, i + 1), (logits, out.taps, out.loads)
+
+    xs = tokens.reshape(b, n, chunk).transpose(1, 0, 2)
+    (kv, _), (logits, tapped, loads) = jax.lax.scan(body, (cache.kv, jnp.int32(0)), xs)
+    logits = logits.sum(0) if last is not None else logits.transpose(1, 0, 2, 3).reshape(b, t, -1)
+    tapped = tapped.transpose(1, 2, 0, 3, 4).reshape(tapped.shape[1], b, t, tapped.shape[-1])
+    return ForwardOut(logits, KVCache(kv=kv, lengths=cache.lengths), tapped, loads.sum(0))
+
+
 def causal_forward(params, cfg: ModelConfig, tokens, attn_form: str = "full",
                    rt: Runtime = Runtime()) -> ForwardOut:
     """A plain causal forward over tokens [b, t] with a fresh cache of t slots (not kept): the reference path
