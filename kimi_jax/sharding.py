@@ -83,9 +83,12 @@ STRATEGIES: dict[str, Strategy] = {
     "dp_attn": Strategy("dp_attn", (("batch", ("dp",)), ("heads", ("tp",)), ("mlp", ("dp", "tp")),
                                     ("expert_mlp", ("dp", "tp")), ("vocab", ("dp", "tp"))),
                         "sequences split over dp for attention and the latent cache; MoE/dense TP over all"),
+    "dcp": Strategy("dcp", (("heads", ("tp",)), ("mlp", ("tp",)), ("expert_mlp", ("tp",)), ("vocab", ("tp",)),
+                            ("slots", ("tp",))),
+                    "tp, plus the latent cache split by position over the same devices (decode context parallel)"),
 }
 
-DEFAULT_MESH = {"tp": "tp={n}", "ep": "ep={n}", "tp_ep": "tp={h},ep=2", "dp_attn": "dp={n}"}
+DEFAULT_MESH = {"tp": "tp={n}", "ep": "ep={n}", "tp_ep": "tp={h},ep=2", "dp_attn": "dp={n}", "dcp": "tp={n}"}
 
 
 def get_strategy(strategy: str | Strategy) -> Strategy:

@@ -136,3 +136,28 @@ def test_int4_experts_under_ep_match():
 
 def params_float_moe():
     return jax.jit(lambda k: params_lib.init_params(CFG, k)["moe_layers"]["moe"])(jax.random.key(1))
+
+
+@pytest.mark.slow
+def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, reference):
+    """dcp on 8 fake devices: each device holds 1/8 of the latent cache's positions, and AR and DDTree emit
+    the one-device AR tokens."""
+    from kimi_jax.decoding import drafter as dflash
+    from kimi_jax.decoding import engine
+    ref_tokens, _ = reference
+    mesh = part.make_mesh("tp=8")
+    sharded = part.shard_params(params, CFG, mesh, "dcp")
+    dcfg = dflash.DrafterConfig(hidden_size=CFG.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=CFG.vocab_size,
+                                block_size=4, mask_token_id=255, target_layer_ids=(0, 2))
+    drafter = dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1)))
+    model = kimi_jax.Model(CFG, sharded, drafter=drafter, mesh=mesh, runtime=Runtime(strategy="dcp"))
+    for method in ("ar", "ddtree"):
+        assert model.generate(PROMPTS, max_new_tokens=8, method=method, budget=6).tokens == ref_tokens, method
+    spec = model.spec("ar", None, 0.0)
+    prompt, lens, max_len = model._layout(PROMPTS, 8, spec)
+    with part.mesh_context(mesh):
+        state, _ = engine.prefill_program(*model._args(prompt, lens, 0.0, 0), None, spec=spec, max_new=8,
+                                          max_len=max_len)
+    kv = state.cache.kv
+    assert kv.sharding.shard_shape(kv.shape)[2] == max_len // 8

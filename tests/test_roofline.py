@@ -259,6 +259,10 @@ def test_strategies_and_drafter():
     tp8 = comps(8, 4096, devices=8, batch=8)
     assert close(dp["kv_cache"].bytes * 8, tp8["kv_cache"].bytes, rel=1e-9)   # KV split by sequence
     assert close(dp["attention"].bytes / GB, 12.34)                            # attention weights replicated
+    dcp = comps(8, 262144, devices=8, batch=8, strategy="dcp")
+    tp_long = comps(8, 262144, devices=8, batch=8)
+    assert close(dcp["kv_cache"].bytes * 8, tp_long["kv_cache"].bytes, rel=1e-9)   # KV split by position
+    assert dcp["attention"].flops == tp_long["attention"].flops                # all heads x 1/8 of the positions
     with pytest.raises(ValueError, match="strategy"):
         comps(1, strategy="zigzag")
     # DFlash drafter for K2.5/K2.6: ~6.5 GiB of bf16 layer weights ([kimi-dflash])

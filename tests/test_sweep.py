@@ -87,3 +87,17 @@ def test_cells_and_filters():
     assert sweep._parse_cells(["strategy=tp,ep", "batch=1"]) == {"strategy": ("tp", "ep"), "batch": (1,)}
     row = sweep.run_cell(sweep.Cell("dp_attn", 8, 1, 16))
     assert row["status"].startswith("n/a") and "batch 1" in row["status"]
+
+
+@pytest.mark.slow
+def test_full_k26_at_262144_tokens_dcp_holds_an_eighth_of_the_cache():
+    """One DDTree verify step of the full K2.6 against a 262,144-slot latent cache, AOT on 8 fake devices: under
+    tp every device holds the whole cache (61 x 576 x 2 B = 70 KB per token, 18.4 GB), under dcp an eighth;
+    the compiled arguments shrink by the other seven eighths. dcp pays for it in collectives: the queries are
+    all-gathered per layer and the partial softmaxes all-reduced."""
+    ctx = 262_144
+    tp, dcp = (sweep.run_cell(sweep.Cell(s, 8, 1, 16), compile_context=ctx) for s in ("tp", "dcp"))
+    assert tp["status"] == dcp["status"] == "ok" and tp["context"] == ctx
+    assert tp["kv_bytes_262k"] == 61 * ctx * 576 * 2 == 8 * dcp["kv_bytes_262k"]
+    assert tp["argument_bytes"] - dcp["argument_bytes"] == pytest.approx(7 / 8 * tp["kv_bytes_262k"], rel=0.01)
+    assert dcp["all_reduce_count"] > tp["all_reduce_count"] and dcp["all_gather_count"] > tp["all_gather_count"]

@@ -13,7 +13,8 @@ Per-device bytes (bf16 = 2 B, INT4 experts = 0.5 + 2/32 B/param: packed nibbles 
 
     attention  = L * (A * r + B / d) * wb        A = q_a + kv_a (+ norms), B = q_b + kv_b + o; r = 1 (replicated,
                                                  the default TP layout, [k26-tp8]) or 1/d (fully sharded)
-    kv_cache   = seqs * ctx * L * (kv_lora + rope) * kvb        latent KV, replicated under TP ([k26-bytes])
+    kv_cache   = seqs * ctx * L * (kv_lora + rope) * kvb        latent KV, replicated under TP ([k26-bytes]);
+                                                 / d under dcp (the cache split by position)
     dense      = L_dense * 3 h I_dense * wb / d
     shared     = L_moe * n_shared * 3 h I_moe * wb / d
     router     = L_moe * (E h + E) * wb * r
@@ -45,7 +46,7 @@ GB = 1e9
 MS = 1e-3
 US = 1e-6
 INT4_BYTES_PER_PARAM = 0.5 + 2 / 32      # packed INT4 + bf16 scale per group of 32 [int4-format]
-STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn")
+STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn", "dcp")
 
 
 # ---- hardware -----------------------------------------------------------------------------------------------
@@ -320,8 +321,11 @@ def round_components(config: ModelConfig, tokens_per_step: float, context: int =
         seqs, a_frac, b_frac, heads, t_attn = batch, r, 1.0 / d, c.num_attention_heads / d, T
     attn_flops = L * (2 * (A * a_frac + B * b_frac) * t_attn
                       + 2 * t_attn * heads * context * (2 * c.kv_lora_rank + c.qk_rope_head_dim))
+    # dcp: every device scores all heads over its 1/d of the positions (the same FLOPs as tp's heads / d over
+    # all positions) and reads 1/d of the cache
+    kv_split = d if strategy == "dcp" else 1
     comps = [Component("attention", L * (A * a_frac + B * b_frac) * wb, attn_flops),
-             Component("kv_cache", seqs * context * kv_bytes_per_token(c, kvb), 0.0)]
+             Component("kv_cache", seqs * context * kv_bytes_per_token(c, kvb) / kv_split, 0.0)]
 
     dense = 3 * h * c.intermediate_size
     comps.append(Component("dense_mlp", Ld * dense * wb / d, 2 * Ld * dense * T / d))

@@ -5,16 +5,17 @@
     python -m kimi_jax.analysis.sweep --cells strategy=tp,ep devices=8 batch=1,64
 
 A cell AOT-compiles the DDTree verify step -- the target forward over ``[batch, budget + 1]`` tree tokens at
-positions ``P + depth`` with the ancestor mask, against a latent cache of ``COMPILE_CONTEXT`` slots, then the
+positions ``P + depth`` with the ancestor mask, against a latent cache of ``--context`` slots (4096), then the
 greedy choice per node -- with every weight, cache and input an abstract ``ShapeDtypeStruct`` carrying its
 sharding (nothing is allocated). Per device it reports:
 
 * weight bytes (the largest shard of every parameter; INT4 experts at 4.5 bits per weight),
-* latent-cache bytes at 4k/32k/128k/200k context (the cache's shard shape x context),
-* compiler temporaries (``compiled.memory_analysis().temp_size_in_bytes`` at ``COMPILE_CONTEXT``),
+* latent-cache bytes at 4k/32k/128k/200k/256k context (the cache's shard shape x context; ``dcp`` splits it by
+  position over the devices),
+* compiler temporaries and arguments (``compiled.memory_analysis()`` at ``--context``),
 * collectives by kind with count and bytes, read from the optimized HLO (``kimi_jax.analysis.hlo.hlo_collectives``:
   a collective inside the layer-scan while body counts once per layer),
-* the roofline round time per hardware profile (``kimi_jax.analysis.roofline.predict_round_time`` at 4k context).
+* the roofline round time per hardware profile (``kimi_jax.analysis.roofline.predict_round_time`` at ``--context``).
 
 Cells a strategy cannot serve (a mesh axis that does not divide heads/experts/F/batch) are recorded with the
 reason. Results go to sharding/results/sweep.{csv,json} and PNG plots.
@@ -32,11 +33,11 @@ import os
 import sys
 import time
 
-STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn")
+STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn", "dcp")
 DEVICES = (8, 16)
 BATCHES = (1, 8, 64)
 BUDGETS = (16, 64, 256)
-CONTEXTS = (4096, 32768, 131072, 200_000)
+CONTEXTS = (4096, 32768, 131072, 200_000, 262_144)
 COMPILE_CONTEXT = 4096
 PROFILES = ("rtx_pro_6000", "h100", "h200", "b200", "b300")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -146,13 +147,14 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
         step = jax.jit(_step, static_argnames=("cfg", "rt"), donate_argnums=(1,))
         compiled = step.lower(params, cache, tokens, positions, mask, cfg=cfg, rt=rt).compile()
     row["compile_s"] = round(time.perf_counter() - t0, 2)
+    row["context"] = compile_context
     mem = compiled.memory_analysis()
     row["weight_bytes"] = part.per_device_bytes(params)
     row["checkpoint_bytes"], row["non_expert_bytes"] = checkpoint_bytes(cfg)
-    kv_shard = cs.kv.shard_shape(cache.kv.shape)                       # [L, b_local, slots, latent]
-    per_slot = kv_shard[0] * kv_shard[1] * kv_shard[3] * 2
+    kv_shard = cs.kv.shard_shape(cache.kv.shape)       # [L, b_local, slots_local, latent]; dcp splits slots
+    per_slot = kv_shard[0] * kv_shard[1] * kv_shard[3] * 2 * kv_shard[2] / compile_context
     for ctx in CONTEXTS:
-        row[f"kv_bytes_{ctx // 1000}k"] = per_slot * ctx
+        row[f"kv_bytes_{ctx // 1000}k"] = int(per_slot * ctx)
     row["temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
     row["argument_bytes"] = int(getattr(mem, "argument_size_in_bytes", 0) or 0)
     coll = hlo_collectives(compiled.as_text())["per_kind"]
@@ -161,7 +163,7 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
         row[f"{k}_count"], row[f"{k}_bytes"] = int(v["count"]), float(v["bytes"])
     tp = mesh.shape.get("tp") if cell.strategy == "tp_ep" else None
     for name in PROFILES:
-        est = roofline.predict_round_time(cfg, roofline.get_profile(name), b * w, COMPILE_CONTEXT, batch=b,
+        est = roofline.predict_round_time(cfg, roofline.get_profile(name), b * w, compile_context, batch=b,
                                           strategy=cell.strategy, devices=cell.devices, tp=tp)
         row[f"roofline_ms_{name}"] = round(est.total_s * 1e3, 3)
     return row
@@ -270,6 +272,8 @@ def _sweep(argv) -> int:
     ap.add_argument("--quick", action="store_true", help="one cell: tp, 8 devices, batch 1, budget 16")
     ap.add_argument("--cells", nargs="*", default=[], help="filters like strategy=tp,ep devices=8 batch=1,64")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--context", type=int, default=COMPILE_CONTEXT,
+                    help="latent-cache slots the cells compile with (e.g. 262144: memory at full K2.6 context)")
     ap.add_argument("--merge", action="store_true", help="merge into existing sweep.json instead of replacing")
     args = ap.parse_args(argv)
     if args.quick:
@@ -288,7 +292,7 @@ def _sweep(argv) -> int:
     for cell in bar:
         bar.set_postfix_str(cell.key)
         try:
-            rows.append(run_cell(cell))
+            rows.append(run_cell(cell, compile_context=args.context))
         except Exception as e:   # a cell that fails to compile is a result too; keep going
             rows.append(dict(dataclasses.asdict(cell), status=f"error: {type(e).__name__}: {str(e)[:300]}"))
         write(sorted(rows, key=lambda r: (STRATEGIES.index(r["strategy"]), r["devices"], r["batch"],

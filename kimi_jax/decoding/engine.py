@@ -30,6 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kimi_jax import sharding
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
@@ -136,6 +137,8 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     key = jax.random.key(seed)
     b = prompt.shape[0]
     cache = init_cache(cfg, b, max_len, params["embed"].dtype)
+    if spec.rt.mesh is not None:        # the cache's layout is the strategy's (dcp splits it by position)
+        cache = jax.lax.with_sharding_constraint(cache, sharding.cache_sharding(cfg, spec.rt.mesh, spec.rt.strategy))
     chunk = spec.rt.prefill_chunk
     if prompt.shape[1] > chunk and prompt.shape[1] % chunk == 0:    # prompt widths are powers of two
         fwd = chunked_forward(params, cfg, prompt, cache, chunk, last=prompt_lens - 1, taps=_taps(spec), rt=spec.rt)
