@@ -280,8 +280,9 @@ class Model:
 
 
 def device_memory_bytes() -> int | None:
-    """Free bytes on the default device, where the backend reports them (GPUs do; the CPU does not: None)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Free bytes on this process's first device, where the backend reports them (GPUs do; the CPU does not:
+    None). A local device: in a multi-process run the global first device belongs to process 0 only."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)

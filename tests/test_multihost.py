@@ -83,6 +83,12 @@ def test_two_processes_same_tokens_as_one():
     try:
         for p in procs:
             outs.append(p.communicate(timeout=240)[0])
+    except subprocess.TimeoutExpired:
+        # One worker usually hangs in a collective because the other died: show both logs.
+        for p in procs:
+            p.kill()
+        logs = [p.communicate()[0] for p in procs]
+        pytest.fail("a worker timed out:\n" + "\n".join(f"--- process {i}:\n{o[-2000:]}" for i, o in enumerate(logs)))
     finally:
         for p in procs:
             if p.poll() is None:

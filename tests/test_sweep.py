@@ -83,7 +83,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 
 def test_cells_and_filters():
-    assert len(sweep.all_cells()) == 4 * 2 * 3 * 3
+    assert len(sweep.all_cells()) == len(sweep.STRATEGIES) * 2 * 3 * 3
     assert sweep._parse_cells(["strategy=tp,ep", "batch=1"]) == {"strategy": ("tp", "ep"), "batch": (1,)}
     row = sweep.run_cell(sweep.Cell("dp_attn", 8, 1, 16))
     assert row["status"].startswith("n/a") and "batch 1" in row["status"]
