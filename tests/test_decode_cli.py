@@ -139,6 +139,20 @@ def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):
 
 
 @needs_default
+@pytest.mark.slow
+def test_damaged_checkpoint_without_manifest_cli_is_the_note_and_one_error(tmp_path):
+    """A checkpoint from before manifests: the one-time note, then orbax's failure as one line, no traceback."""
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    (copy / "manifest.json").unlink()
+    _damage("truncated", copy)
+    res = decode("--checkpoint", str(copy), "--drafter", "none", "--max-new-tokens", "2")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr
+    assert "has no manifest.json" in lines[0] and "orbax checkpoint" in lines[1] and "damaged" in lines[1]
+
+
+@needs_default
 def test_checkpoint_without_manifest_loads_with_one_note(tmp_path, capfd):
     """Written before manifests: still loads, and says once that nothing was checked."""
     copy = tmp_path / "target"

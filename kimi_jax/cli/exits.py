@@ -40,6 +40,9 @@ def run_command(prog: str, body: Callable[[], int | None], extra_errors: tuple =
     except KeyboardInterrupt:
         _interrupted(prog)
     except user_errors() + tuple(extra_errors) as e:
+        # The process ends after this line: threads a failed orbax read left behind (their event loop closed
+        # under them) must not print tracebacks after it.
+        threading.excepthook = sys.unraisablehook = lambda *_: None
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     finally:
