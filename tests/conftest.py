@@ -16,6 +16,13 @@ os.environ.setdefault("KIMI_JAX_CACHE", tempfile.mkdtemp(prefix="kimi_jax_test_c
 import pytest  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def default_sigint():
+    """preexec_fn of subprocesses that test Ctrl-C: a shell that runs the suite in the background ignores SIGINT
+    and children inherit that (our commands keep an ignored SIGINT ignored, as nohup users expect)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 HF_FIXTURES = ("hf_k25", "hf_k2", "hf_grouped")
 
 

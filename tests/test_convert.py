@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import default_sigint
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
@@ -155,7 +156,7 @@ def test_ctrl_c_during_convert_exits_130_and_the_rerun_resumes(k26, converted, t
                    "exit_with(run_command('kimi_jax.convert', lambda: [convert_hf(sys.argv[1], sys.argv[2], "
                    "progress=False, on_layer_written=ctrl_c), 0][1]))\n")
     res = subprocess.run([sys.executable, "-c", interrupted, k26["dir"], out], capture_output=True, text=True,
-                         env=env, timeout=300)
+                         env=env, timeout=300, preexec_fn=default_sigint)
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.strip().splitlines()[-1] == "kimi_jax.convert: interrupted"
     assert not checkpoint.is_kimi_checkpoint(out)

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, default_sigint
 
 import kimi_jax
 
@@ -183,7 +183,7 @@ def test_verify_flag_checksums_large_checkpoints(tmp_path, monkeypatch):
 def test_sigint_during_decode_exits_130_with_one_line():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     p = subprocess.Popen([sys.executable, "-m", "kimi_jax.decode", "--max-new-tokens", "400"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     time.sleep(3.0)
     t0 = time.perf_counter()
     p.send_signal(signal.SIGINT)
