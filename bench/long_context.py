@@ -42,7 +42,7 @@ def main(argv=None):
     spec = model.spec("ar", None, 0.0)
     for ctx in a.contexts:
         prompt = [rng.integers(2, cfg.vocab_size, ctx - 100).tolist()]   # + 65 new: a cache of ctx slots
-        arr, lens, max_len = model._layout(prompt, 65, spec)
+        arr, lens, (max_len, _) = model._layout(prompt, 65, spec)
         args = model._args(arr, lens, 0.0, 0)
         prefill = jax.jit(engine.prefill, static_argnames=("spec", "max_new", "max_len")).lower(
             *args, None, spec=spec, max_new=65, max_len=max_len).compile()

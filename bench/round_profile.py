@@ -190,7 +190,7 @@ def main(argv=None):
     dparams = model.drafter.params
     rows = []
     for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in a.budgets.split(",")]:
-        spec, arr, lens, max_len = model._prepare([prompt], 64, method, budget if method == "ddtree" else None,
+        spec, arr, lens, (max_len, _) = model._prepare([prompt], 64, method, budget if method == "ddtree" else None,
                                                   0.0, None)
         state, _ = engine.prefill_program(*model._args(arr, lens, 0.0, 0), spec=spec, max_new=64, max_len=max_len)
         res = profile_round(model, spec, state, dparams)

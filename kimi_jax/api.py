@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import sharding
-from kimi_jax.cache import init_cache
+from kimi_jax.cache import init_cache, pool_size
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
@@ -143,16 +143,23 @@ class Model:
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
         t = min(bucket(longest), context)
         max_len = min(bucket(need, 64), context)
-        self._check_cache_fits(len(rows), max_len)
+        lens = np.asarray([len(r) for r in rows], np.int32)
+        page = self.runtime.page_size
+        pool = 0
+        if page:            # logical rows in whole pages; the pool holds only what each row can touch
+            max_len = -(-max_len // page) * page
+            pool = pool_size(engine.row_capacity(lens, max_new, spec), max_len, page)
+        self._check_cache_fits(len(rows), max_len, pool)
         prompt = np.zeros((len(rows), t), np.int32)
         for i, r in enumerate(rows):
             prompt[i, :len(r)] = r
-        return prompt, np.asarray([len(r) for r in rows], np.int32), max_len
+        return prompt, lens, (max_len, pool)
 
-    def _check_cache_fits(self, rows: int, max_len: int) -> None:
+    def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
         """A GenerationError naming the bytes if the latent cache (+ drafter features) cannot fit the device."""
         cfg = self.config
-        need = cfg.num_hidden_layers * rows * max_len * cfg.latent_dim * jnp.dtype(self.params["embed"].dtype).itemsize
+        slots = pool_pages * self.runtime.page_size if pool_pages else rows * max_len
+        need = cfg.num_hidden_layers * slots * cfg.latent_dim * jnp.dtype(self.params["embed"].dtype).itemsize
         if self.drafter is not None:
             d = self.drafter.config
             need += 2 * d.num_hidden_layers * rows * dflash.feature_slots(d, max_len) * d.num_key_value_heads * \
@@ -162,14 +169,16 @@ class Model:
             raise GenerationError(f"a cache of {max_len} positions for {rows} rows needs {need / 2**30:.2f} GiB but "
                                   f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
-    def _program(self, spec, prompt, max_new, max_len):
-        key = (spec, prompt.shape, max_new, max_len)
+    def _program(self, spec, prompt, max_new, layout):
+        """The compiled generation program; layout = (cache slots per row, page pool size or 0) from _layout."""
+        key = (spec, prompt.shape, max_new, layout)
         if key not in self._programs:
             t0 = time.perf_counter()
             costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
             args = self._program_args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
             with sharding.mesh_context(self.mesh):
-                lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=max_len)
+                lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=layout[0],
+                                                        pool_pages=layout[1])
             self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
         return self._programs[key]
 
@@ -185,15 +194,15 @@ class Model:
         return self._args(prompt, lens, temperature, seed) + (
             costs, np.int32(force), np.int32(2 ** 30 if max_rounds is None else max_rounds))
 
-    def cost_table(self, spec, prompt, lens, max_new, max_len) -> np.ndarray:
+    def cost_table(self, spec, prompt, lens, max_new, layout) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
         backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
         from kimi_jax.decoding import costs
-        key = costs.table_key(spec, prompt.shape[0], max_len)
+        key = costs.table_key(spec, prompt.shape[0], layout[0])
         if key not in self._costs:
             table = costs.load(key)
             if table is None or table.shape[1] != len(spec.widths):
-                program, _ = self._program(spec, prompt, max_new, max_len)
+                program, _ = self._program(spec, prompt, max_new, layout)
                 ones = np.ones((2, len(spec.widths)), np.float32)
 
                 def run(force, limit):
@@ -206,10 +215,10 @@ class Model:
             self._costs[key] = table
         return self._costs[key]
 
-    def _costs_arg(self, spec, prompt, lens, max_new, max_len):
+    def _costs_arg(self, spec, prompt, lens, max_new, layout):
         if not spec.widths:
             return None
-        return np.asarray(self.cost_table(spec, prompt, lens, max_new, max_len), np.float32)
+        return np.asarray(self.cost_table(spec, prompt, lens, max_new, layout), np.float32)
 
     def _prepare(self, prompt, max_new_tokens, method, budget, temperature, block_size):
         """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
@@ -224,10 +233,10 @@ class Model:
 
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
         width by expected tokens per second under costs calibrated on this backend (``cost_table``)."""
-        spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
-                                                        block_size)
-        program, compile_s = self._program(spec, prompt_arr, max_new_tokens, max_len)
-        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
+        spec, prompt_arr, lens, layout = self._prepare(prompt, max_new_tokens, method, budget, temperature,
+                                                       block_size)
+        program, compile_s = self._program(spec, prompt_arr, max_new_tokens, layout)
+        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, layout)
         t0 = time.perf_counter()
         state, nan = program(*self._program_args(prompt_arr, lens, temperature, seed, costs))
         n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.width,
@@ -252,14 +261,15 @@ class Model:
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
-        spec, prompt_arr, lens, max_len = self._prepare(prompt, max_new_tokens, method, budget, temperature,
-                                                        block_size)
+        spec, prompt_arr, lens, layout = self._prepare(prompt, max_new_tokens, method, budget, temperature,
+                                                       block_size)
         rows = len(lens)
         t0 = time.perf_counter()
-        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, max_len)
+        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, layout)
         args = self._args(prompt_arr, lens, temperature, seed)
         with sharding.mesh_context(self.mesh):
-            state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=max_len)
+            state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=layout[0],
+                                                pool_pages=layout[1])
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))

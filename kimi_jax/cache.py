@@ -1,11 +1,21 @@
-"""The target's latent KV cache.
+"""The target's latent KV cache: contiguous, or paged with a per-row page table.
 
-One array ``kv [layers, batch, slots, kv_lora_rank + qk_rope_head_dim]`` plus per-row committed lengths.
-A forward pass writes its new tokens' rows at slots ``lengths[b] + t`` (scratch space past the committed
-prefix) and never moves ``lengths``; the caller commits what it keeps. For plain decoding that is every row;
-for a verified draft tree, ``commit`` moves the accepted nodes' rows into place first. Rows keep the RoPE
-position they were computed at, so an accepted tree node at depth k, computed at position P + k, is exactly
-the row a sequential decode would have written at slot P + k: nothing is recomputed.
+Per layer and token the cache holds one latent row ``[c_kv | k_pe]``. Two layouts of the same logical rows:
+
+* contiguous: ``kv [layers, batch, slots, latent]``; every row of a batch gets ``slots`` rows of storage.
+* paged: ``kv [layers, pages, page_size, latent]`` (a pool) and ``page_table [batch, pages_per_row]``: logical
+  slot ``s`` of row ``b`` lives in page ``page_table[b, s // page_size]`` at offset ``s % page_size``. Rows of
+  one batch hold very different lengths at the memory of their own lengths, not every row at the longest's.
+  Table entries equal to ``pages`` are unmapped: reads there give zeros, writes are dropped.
+
+A contiguous cache is the paged one with one page per row (``page_size = slots``, ``page_table[b] = [b]``), so
+every function below has one body over (page, offset) indices; only ``rows_view`` skips the gather.
+
+A forward pass writes its new tokens' rows at slots ``lengths[b] + t`` (scratch space past the committed prefix)
+and never moves ``lengths``; the caller commits what it keeps. For plain decoding that is every row; for a
+verified draft tree, ``commit`` moves the accepted nodes' rows into place first. Rows keep the RoPE position
+they were computed at, so an accepted tree node at depth k, computed at position P + k, is exactly the row a
+sequential decode would have written at slot P + k: nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -13,23 +23,91 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimi_jax.config import ModelConfig
 
 
 @flax.struct.dataclass
 class KVCache:
-    kv: jax.Array        # [layers, batch, slots, latent_dim]
-    lengths: jax.Array   # [batch] int32: committed rows per batch row
+    kv: jax.Array                      # contiguous [layers, batch, slots, latent]; paged [layers, pages, page, latent]
+    lengths: jax.Array                 # [batch] int32: committed rows per batch row
+    page_table: jax.Array | None = None    # paged only: [batch, pages_per_row] int32
 
     @property
     def max_len(self) -> int:
-        return self.kv.shape[2]
+        """Logical slots per row."""
+        if self.page_table is None:
+            return self.kv.shape[2]
+        return self.page_table.shape[1] * self.kv.shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     return KVCache(kv=jnp.zeros((cfg.num_hidden_layers, batch, max_len, cfg.latent_dim), dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def pages_needed(capacities, page_size: int):
+    """Pages per row for rows that will hold ``capacities`` slots (numpy or jnp, elementwise)."""
+    return -(-capacities // page_size)
+
+
+def init_paged_cache(cfg: ModelConfig, capacities, max_len: int, page_size: int, pool_pages: int,
+                     dtype=jnp.float32) -> KVCache:
+    """A paged cache whose row b owns ``pages_needed(capacities[b])`` consecutive pages of a pool of
+    ``pool_pages`` (static; at least the sum of those), logical length ``max_len`` (a multiple of page_size).
+    capacities may be traced: the table is computed on the device."""
+    if max_len % page_size:
+        raise ValueError(f"max_len {max_len} is not a multiple of the page size {page_size}")
+    per_row = max_len // page_size
+    n = pages_needed(jnp.minimum(capacities.astype(jnp.int32), max_len), page_size)
+    first = jnp.cumsum(n) - n
+    i = jnp.arange(per_row, dtype=jnp.int32)[None, :]
+    table = jnp.where((i < n[:, None]) & (first[:, None] + i < pool_pages), first[:, None] + i, pool_pages)
+    return KVCache(kv=jnp.zeros((cfg.num_hidden_layers, pool_pages, page_size, cfg.latent_dim), dtype),
+                   lengths=jnp.zeros(capacities.shape, jnp.int32), page_table=table.astype(jnp.int32))
+
+
+def pool_size(capacities: np.ndarray, max_len: int, page_size: int) -> int:
+    """Host side: the pages init_paged_cache needs for these capacities, rounded up to a multiple of 8 so that
+    requests of similar total length share one compiled program."""
+    pages = int(pages_needed(np.minimum(np.asarray(capacities), max_len), page_size).sum())
+    return -(-pages // 8) * 8
+
+
+def _locate(page_table, slots, batch: int, page_size: int, num_pages: int):
+    """(page, offset) [b, n] of logical slots [b, n]; page = num_pages (out of range) where unmapped."""
+    if page_table is None:              # one page per row
+        page_table = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    per_row = page_table.shape[1]
+    logical = slots // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, per_row - 1), axis=1)
+    page = jnp.where((slots >= 0) & (logical < per_row), page, num_pages)
+    return page, slots % page_size
+
+
+def write(kv, page_table, layer, slots, rows):
+    """The whole cache array kv [layers, ...] with rows [b, n, latent] stored at logical slots [b, n] of
+    ``layer``; slots past a row's storage are dropped."""
+    page, off = _locate(page_table, slots, slots.shape[0], kv.shape[2], kv.shape[1])
+    return kv.at[layer, page, off].set(rows.astype(kv.dtype), mode="drop")
+
+
+def gather(kv_layer, page_table, slots):
+    """Rows [b, n, latent] of one layer (kv_layer [pages_or_batch, ...]) at logical slots [b, n]; zeros where
+    a slot has no storage."""
+    page, off = _locate(page_table, slots, slots.shape[0], kv_layer.shape[1], kv_layer.shape[0])
+    return kv_layer.at[page, off].get(mode="fill", fill_value=0)
+
+
+def rows_view(kv_layer, page_table):
+    """One layer's logical rows [b, max_len, latent]: the array itself when contiguous, the pages gathered
+    through the table when paged (unmapped pages read as zeros)."""
+    if page_table is None:
+        return kv_layer
+    b, per_row = page_table.shape
+    pages = kv_layer.at[page_table].get(mode="fill", fill_value=0)             # [b, per_row, page, latent]
+    return pages.reshape(b, per_row * kv_layer.shape[1], kv_layer.shape[2])
 
 
 def commit(cache: KVCache, path: jax.Array, path_len: jax.Array) -> KVCache:
@@ -39,14 +117,14 @@ def commit(cache: KVCache, path: jax.Array, path_len: jax.Array) -> KVCache:
     a left compaction never overwrites a row it still has to read; gather-then-scatter makes that moot anyway.
     """
     batch, width = path.shape
-    rows = jnp.arange(batch)[:, None]
-    src = cache.lengths[:, None] + jnp.maximum(path, 0)
-    dst = cache.lengths[:, None] + jnp.arange(width)[None, :]
-    keep = jnp.arange(width)[None, :] < path_len[:, None]
-    dst = jnp.where(keep, dst, cache.max_len)                         # out of range: dropped by the scatter
-    moved = cache.kv[:, rows, src]                                    # [layers, batch, width, latent]
-    kv = cache.kv.at[:, rows, dst].set(moved, mode="drop")
-    return KVCache(kv=kv, lengths=cache.lengths + path_len.astype(jnp.int32))
+    page_size, num_pages = cache.kv.shape[2], cache.kv.shape[1]
+    k = jnp.arange(width)[None, :]
+    src = _locate(cache.page_table, cache.lengths[:, None] + jnp.maximum(path, 0), batch, page_size, num_pages)
+    dst_page, dst_off = _locate(cache.page_table, cache.lengths[:, None] + k, batch, page_size, num_pages)
+    dst_page = jnp.where(k < path_len[:, None], dst_page, num_pages)              # out of range: dropped
+    moved = cache.kv.at[:, src[0], src[1]].get(mode="fill", fill_value=0)        # [layers, batch, width, latent]
+    kv = cache.kv.at[:, dst_page, dst_off].set(moved, mode="drop")
+    return cache.replace(kv=kv, lengths=cache.lengths + path_len.astype(jnp.int32))
 
 
 def visibility(lengths, new_mask, max_len):

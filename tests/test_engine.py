@@ -118,7 +118,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
     """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     spec = model.spec("ddtree", 8, 0.0)
-    prompt, lens, max_len = model._layout(model.encode(PROMPTS), 24, spec)
+    prompt, lens, (max_len, _) = model._layout(model.encode(PROMPTS), 24, spec)
     args = model._args(prompt, lens, 0.0, 0)
     state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
     for _ in range(4):
@@ -189,9 +189,9 @@ def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
 
 def _auto_program(model, prompts, max_new):
     spec = model.spec("ddtree", "auto", 0.0)
-    prompt, lens, max_len = model._layout(model.encode(prompts), max_new, spec)
-    program, _ = model._program(spec, prompt, max_new, max_len)
-    return spec, program, prompt, lens, max_len
+    prompt, lens, layout = model._layout(model.encode(prompts), max_new, spec)
+    program, _ = model._program(spec, prompt, max_new, layout)
+    return spec, program, prompt, lens, layout
 
 
 def _tokens(state):
@@ -233,8 +233,8 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
     from kimi_jax.decoding import costs
     monkeypatch.setenv("KIMI_JAX_CACHE", str(tmp_path))
     m = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
-    spec, _, prompt, lens, max_len = _auto_program(m, PROMPTS[:1], 24)
-    table = m.cost_table(spec, prompt, lens, 24, max_len)
+    spec, _, prompt, lens, layout = _auto_program(m, PROMPTS[:1], 24)
+    table = m.cost_table(spec, prompt, lens, 24, layout)
     assert table.shape == (2, len(spec.widths))
     assert (table[0] > 0).all() and (np.diff(table[0]) >= 0).all()             # seconds: monotone in width
     assert table[1][0] == 1.0 and (np.diff(table[1]) >= -1e-6).all()          # expected tokens grow with width
@@ -244,7 +244,7 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
         raise AssertionError("the table should have come from the disk cache")
     monkeypatch.setattr(costs, "measure", no_measuring)
     again = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
-    np.testing.assert_allclose(again.cost_table(spec, prompt, lens, 24, max_len), table, rtol=1e-6)
+    np.testing.assert_allclose(again.cost_table(spec, prompt, lens, 24, layout), table, rtol=1e-6)
     assert again.generate(PROMPTS[:1], 8).stats["width_per_round"]             # auto by default, widths reported
 
 

@@ -55,6 +55,21 @@ def test_a_16k_prompt_runs_in_chunks_without_quadratic_memory(params):
     assert np.isfinite(logits).all()
 
 
+@pytest.mark.slow
+def test_greedy_ddtree_on_a_paged_cache_equals_ar_after_a_16k_prompt(params):
+    """A 16000-token prompt (chunked prefill): DDTree with a random drafter on a paged cache emits plain AR's
+    tokens on the contiguous cache."""
+    prompt = [np.random.default_rng(3).integers(2, 250, 16000).tolist()]
+    dcfg = dflash.DrafterConfig(hidden_size=CFG.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=CFG.vocab_size,
+                                block_size=4, mask_token_id=255, target_layer_ids=(0, 2))
+    drafter = dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1)))
+    want = kimi_jax.Model(CFG, params).generate(prompt, 12, method="ar").tokens
+    paged = kimi_jax.Model(CFG, params, drafter=drafter, runtime=Runtime(page_size=256))
+    got = paged.generate(prompt, 12, method="ddtree", budget=6)
+    assert got.tokens == want and got.stats["rounds"] >= 1
+
+
 def test_yarn_logits_beyond_100k_positions_equal_hf(tmp_path):
     """K2.6's rope scaling (factor 64 over 4096 positions) at positions 150000..150015: the logits equal HF
     transformers', closer than HF's own logits at positions 0..15 are (RoPE is relative; only large-angle float32

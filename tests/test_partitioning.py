@@ -155,7 +155,7 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     for method in ("ar", "ddtree"):
         assert model.generate(PROMPTS, max_new_tokens=8, method=method, budget=6).tokens == ref_tokens, method
     spec = model.spec("ar", None, 0.0)
-    prompt, lens, max_len = model._layout(PROMPTS, 8, spec)
+    prompt, lens, (max_len, _) = model._layout(PROMPTS, 8, spec)
     with part.mesh_context(mesh):
         state, _ = engine.prefill_program(*model._args(prompt, lens, 0.0, 0), None, spec=spec, max_new=8,
                                           max_len=max_len)

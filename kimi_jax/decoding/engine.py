@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax import sharding
-from kimi_jax.cache import KVCache, init_cache
+from kimi_jax.cache import KVCache, init_cache, init_paged_cache
 from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import ddtree
@@ -124,9 +124,17 @@ def _taps(spec: Spec):
     return () if spec.method == "ar" else tuple(spec.drafter_cfg.target_layer_ids)
 
 
+def row_capacity(prompt_lens, max_new: int, spec: Spec):
+    """Cache slots a row can touch: its prompt, every new token, and one round's tree rows past the last."""
+    return prompt_lens + max_new + spec.nodes + 1
+
+
 def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, costs=None, *, spec: Spec,
-            max_new: int, max_len: int) -> tuple[State, jax.Array]:
+            max_new: int, max_len: int, pool_pages: int = 0) -> tuple[State, jax.Array]:
     """Run the prompt [b, t] (right-padded; true lengths prompt_lens), emit the first token.
+
+    With ``spec.rt.page_size`` the latent cache is paged (kimi_jax.cache): a pool of ``pool_pages`` pages
+    (static; ``kimi_jax.cache.pool_size`` of the rows' ``row_capacity``), each row owning its own pages.
 
     costs (auto only): the cost table [2, len(widths)]; its second row, expected tokens per row, is the outlook
     the first round is planned on.
@@ -136,7 +144,13 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     cfg = spec.cfg
     key = jax.random.key(seed)
     b = prompt.shape[0]
-    cache = init_cache(cfg, b, max_len, params["embed"].dtype)
+    if spec.rt.page_size:
+        if pool_pages < 1:
+            raise ValueError("a paged cache (Runtime.page_size) needs pool_pages (kimi_jax.cache.pool_size)")
+        cache = init_paged_cache(cfg, row_capacity(prompt_lens, max_new, spec), max_len, spec.rt.page_size,
+                                 pool_pages, params["embed"].dtype)
+    else:
+        cache = init_cache(cfg, b, max_len, params["embed"].dtype)
     if spec.rt.mesh is not None:        # the cache's layout is the strategy's (dcp splits it by position)
         cache = jax.lax.with_sharding_constraint(cache, sharding.cache_sharding(cfg, spec.rt.mesh, spec.rt.strategy))
     chunk = spec.rt.prefill_chunk
@@ -146,7 +160,7 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     else:
         fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), rt=spec.rt)
         last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    cache = KVCache(kv=fwd.cache.kv, lengths=prompt_lens.astype(jnp.int32))
+    cache = fwd.cache.replace(lengths=prompt_lens.astype(jnp.int32))
     key, sub = jax.random.split(key)
     first = _choose(last, spec, temperature, sub)
     drafter = None
@@ -327,21 +341,21 @@ def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds, cos
     return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len"))
+@functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len", "pool_pages"))
 def generate_program(params, drafter_params, prompt, prompt_lens, temperature, seed, costs=None, force=-1,
-                     max_rounds=None, *, spec: Spec, max_new: int, max_len: int):
+                     max_rounds=None, *, spec: Spec, max_new: int, max_len: int, pool_pages: int = 0):
     """Prefill and every round: the whole generation as one XLA program.
 
     costs/force: the auto policy's cost table and calibration override; max_rounds (traced, default max_new)
     stops early, so calibration can time rounds with the very program that serves requests."""
     state, nan = prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, costs, spec=spec,
-                         max_new=max_new, max_len=max_len)
+                         max_new=max_new, max_len=max_len, pool_pages=pool_pages)
     state, nan_rounds = run_rounds(params, drafter_params, spec, state, max_new if max_rounds is None else max_rounds,
                                    costs, force)
     return state, nan | nan_rounds
 
 
-prefill_program = jax.jit(prefill, static_argnames=("spec", "max_new", "max_len"))
+prefill_program = jax.jit(prefill, static_argnames=("spec", "max_new", "max_len", "pool_pages"))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rounds"), donate_argnames=("state",))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import apply_rope, rms_norm
 from kimi_jax.ops.tree_attention.api import latent_attention
@@ -58,12 +59,14 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
 
 
-def attend_tree(q_nope, q_pe, kv, lengths, new_mask, p, cfg: ModelConfig, impl: str):
+def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the kernel API
-    (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix without a dense [b, t, s] mask."""
+    (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix (of a paged cache: the row's own
+    pages) without a dense [b, t, s] mask."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype)
+    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
+                             page_table=page_table)
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 
 
@@ -71,17 +74,19 @@ def attend_tree(q_nope, q_pe, kv, lengths, new_mask, p, cfg: ModelConfig, impl: 
 TREE_KERNEL_MAX_WIDTH = 256
 
 
-def attend(q_nope, q_pe, kv, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str):
-    """The model's one attention dispatch. form="full": expanded per-head K/V (training, the reference);
-    form="absorbed": MQA over the latent rows, through the Pallas tree kernel when impl="pallas" at tree
-    widths, else the dense-mask XLA form (whose one [b, t, s] mask every layer of a forward shares)."""
-    if form == "full":
-        return attend_full(q_nope, q_pe, kv, visible, p, cfg)
-    if form != "absorbed":
+def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str):
+    """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache).
+    form="full": expanded per-head K/V (training, the reference); form="absorbed": MQA over the latent rows,
+    through the Pallas tree kernel when impl="pallas" at tree widths, else the dense-mask XLA form (whose one
+    [b, t, s] mask every layer of a forward shares) over the logical rows."""
+    if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
-    if impl == "pallas" and q_nope.shape[1] <= TREE_KERNEL_MAX_WIDTH:
-        return attend_tree(q_nope, q_pe, kv, lengths, new_mask, p, cfg, impl)
-    return attend_absorbed(q_nope, q_pe, kv, visible, p, cfg)
+    if form == "absorbed" and impl == "pallas" and q_nope.shape[1] <= TREE_KERNEL_MAX_WIDTH:
+        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, impl)
+    rows = rows_view(kv, page_table)
+    if form == "full":
+        return attend_full(q_nope, q_pe, rows, visible, p, cfg)
+    return attend_absorbed(q_nope, q_pe, rows, visible, p, cfg)
 
 
 def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):

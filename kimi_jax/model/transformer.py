@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from kimi_jax import cache as cache_lib
 from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model import mla
@@ -28,19 +29,19 @@ class LayerContext(NamedTuple):
     lengths: jax.Array       # [b] committed rows; with new_mask, the same visibility for the Pallas kernel
     new_mask: jax.Array      # [b, t, t]
     inv_freq: jax.Array
+    page_table: jax.Array | None   # paged caches: [b, pages_per_row] (kimi_jax.cache)
 
 
 def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerContext, x, kv, layer_params,
            layer_index):
-    """One decoder layer; kv is the whole [L, b, s, c] cache. Returns (x, kv, expert loads [E] or None)."""
+    """One decoder layer; kv is the whole cache array (kimi_jax.cache). Returns (x, kv, expert loads [E] or None)."""
     positions, slots, inv_freq = ctx.positions, ctx.slots, ctx.inv_freq
     p = layer_params["attn"]
     h = rms_norm(x, layer_params["attn_norm"], cfg.rms_norm_eps)
     q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
     rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
-    batch = jnp.arange(x.shape[0])[:, None]
-    kv = kv.at[layer_index, batch, slots].set(rows.astype(kv.dtype), mode="drop")
-    o = mla.attend(q_nope, q_pe, kv[layer_index], ctx.visible, ctx.lengths, ctx.new_mask, p, cfg,
+    kv = cache_lib.write(kv, ctx.page_table, layer_index, slots, rows)
+    o = mla.attend(q_nope, q_pe, kv[layer_index], ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p, cfg,
                    form=attn_form, impl=rt.attn_impl)
     x = x + mla.output(o, p)
     h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
@@ -77,7 +78,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
     if new_mask is None:
         new_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     ctx = LayerContext(positions, slots, visibility(cache.lengths, new_mask, cache.max_len), cache.lengths, new_mask,
-                       yarn_inv_freq(cfg))
+                       yarn_inv_freq(cfg), cache.page_table)
     taps = tuple(taps)
     for l in taps:
         if not 0 <= l < cfg.num_hidden_layers:
@@ -112,7 +113,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
     if cfg.num_hidden_layers - 1 in taps:
         tapped = tapped.at[taps.index(cfg.num_hidden_layers - 1)].set(x)
     logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return ForwardOut(logits, KVCache(kv=kv, lengths=cache.lengths), tapped[:len(taps)], loads)
+    return ForwardOut(logits, cache.replace(kv=kv), tapped[:len(taps)], loads)
 
 
 def chunked_forward(params, cfg: ModelConfig, tokens, cache: KVCache, chunk: int, *, last=None,
@@ -131,7 +132,7 @@ def chunked_forward(params, cfg: ModelConfig, tokens, cache: KVCache, chunk: int
     def body(c, xs):
         kv, i = c
         toks = xs
-        out = forward(params, cfg, toks, KVCache(kv=kv, lengths=cache.lengths + i * chunk), taps=taps,
+        out = forward(params, cfg, toks, cache.replace(kv=kv, lengths=cache.lengths + i * chunk), taps=taps,
                       attn_form=attn_form, rt=rt)
         if last is None:
             logits = out.logits
@@ -146,7 +147,7 @@ def chunked_forward(params, cfg: ModelConfig, tokens, cache: KVCache, chunk: int
     (kv, _), (logits, tapped, loads) = jax.lax.scan(body, (cache.kv, jnp.int32(0)), xs)
     logits = logits.sum(0) if last is not None else logits.transpose(1, 0, 2, 3).reshape(b, t, -1)
     tapped = tapped.transpose(1, 2, 0, 3, 4).reshape(tapped.shape[1], b, t, tapped.shape[-1])
-    return ForwardOut(logits, KVCache(kv=kv, lengths=cache.lengths), tapped, loads.sum(0))
+    return ForwardOut(logits, cache.replace(kv=kv), tapped, loads.sum(0))
 
 
 def causal_forward(params, cfg: ModelConfig, tokens, attn_form: str = "full",

@@ -77,6 +77,10 @@ class Stats:
 class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
                  method: str | None = None, budget=None, rounds_per_dispatch: int = 4, queue_size: int = 64):
+        if model.runtime.page_size:
+            # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
+            raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
+                                  "Runtime(page_size=0)")
         self.model = model
         self.method = method or ("ddtree" if model.drafter is not None else "ar")
         self.budget = budget
@@ -160,7 +164,7 @@ class Batcher:
         if sample not in self._costs:
             prompt = np.zeros((self.max_batch, self.buckets[0]), np.int32)
             lens = np.ones(self.max_batch, np.int32)
-            self._costs[sample] = np.asarray(self.model.cost_table(spec, prompt, lens, self.max_new, self.max_len),
+            self._costs[sample] = np.asarray(self.model.cost_table(spec, prompt, lens, self.max_new, (self.max_len, 0)),
                                              np.float32)
         return self._costs[sample]
 

@@ -17,6 +17,11 @@ One ``pl.pallas_call`` in the Triton-lowering subset (power-of-two loads, ``fori
   32: a tiny copy) under the ancestor mask, which travels bit-packed: one int32 word per query row and 32 tree
   keys, expanded in the kernel with a shift and mask (so the mask costs ``Qp * Tp / 8`` bytes, not ``Qp * Tp``).
   Tree key blocks are 32 rows.
+- Paged caches (``page_table``): the kernel gets the whole page pool and the row's table; key block j of
+  ``bk`` rows (``bk`` divides the page size) is loaded from page ``table[j*bk // page]`` at offset
+  ``j*bk % page``, so a row streams its own pages and stops after ``ceil(lengths / bk)`` blocks, as on a
+  contiguous cache. The table is padded to a power of two with unmapped entries (never read: a row's pages
+  below its length are mapped).
 - Feature dims that are not powers of two >= 16 (tiny test configs) are zero-padded outside the kernel, which
   copies the cache; K2's 512 + 64 never does.
 - Each program writes its partial ``(acc [bq, r], m, l)`` in float32; the ``ns + 1`` partials merge by LSE in
@@ -88,8 +93,8 @@ def _online_update(carry, q, qpe, c, kpe, valid, scale):
     return m_new, l, acc
 
 
-def _kernel(len_ref, q_ref, qpe_ref, kv_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
-            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words):
+def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
+            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page):
     split, bi = pl.program_id(1), pl.program_id(2)
     length = jnp.minimum(len_ref[bi], n_slots)
     q = q_ref[...]                  # q, q_pe arrive in the promoted dtype; cache tiles are cast to it (no-op
@@ -111,9 +116,14 @@ def _kernel(len_ref, q_ref, qpe_ref, kv_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref
 
         def body(j, carry):
             start = j * bk
-            row0 = jnp.minimum(start, n_rows - bk)          # stay in bounds on a ragged cache; mask the overlap
-            c = kv_ref[pl.ds(row0, bk), pl.ds(0, r)].astype(dt)
-            kpe = kv_ref[pl.ds(row0, bk), pl.ds(r, p)].astype(dt)
+            if page:                                        # paged: block j lies inside one page
+                at = (jnp.minimum(pt_ref[start // page], kv_ref.shape[0] - 1), pl.ds(start % page, bk))
+                row0 = start
+            else:
+                row0 = jnp.minimum(start, n_rows - bk)      # stay in bounds on a ragged cache; mask the overlap
+                at = (pl.ds(row0, bk),)
+            c = kv_ref[(*at, pl.ds(0, r))].astype(dt)
+            kpe = kv_ref[(*at, pl.ds(r, p))].astype(dt)
             key = row0 + jnp.arange(bk, dtype=jnp.int32)
             valid = ((key >= start) & (key < length))[None, :]
             return _online_update(carry, q, qpe, c, kpe, valid, scale)
@@ -150,26 +160,38 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
 
 
 def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
-                             num_splits):
+                             num_splits, page_table=None):
     b, t, h, r_in = q_lat.shape
     p_in = q_pe.shape[-1]
-    n_slots = kv.shape[1]
+    page = 0 if page_table is None else kv.shape[1]
+    if page and (page < MIN_DOT or page & (page - 1)):
+        raise ValueError(f"the Pallas kernel needs a page size that is a power of two >= {MIN_DOT}, got {page}")
+    n_slots = kv.shape[1] if not page else page_table.shape[1] * page          # logical slots per row
+    # Tree rows are gathered before any padding: from logical slots, through the table when paged.
+    tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
+    tree_kv, ok = tree_rows(kv, page_table, lengths, t, tp, n_slots)
     r, p = max(MIN_DOT, _next_pow2(r_in)), max(MIN_DOT, _next_pow2(p_in))
     if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
         q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
         q_pe = jnp.pad(q_pe, ((0, 0),) * 3 + ((0, p - p_in),))
-        kv = jnp.concatenate([jnp.pad(kv[..., :r_in], ((0, 0), (0, 0), (0, r - r_in))),
-                              jnp.pad(kv[..., r_in:], ((0, 0), (0, 0), (0, p - p_in)))], axis=-1)
-    if n_slots < MIN_DOT:     # tiny caches only: pad so that one key block fits (rows past lengths are masked)
-        kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))
+        pad = lambda x: jnp.concatenate([jnp.pad(x[..., :r_in], ((0, 0), (0, 0), (0, r - r_in))),  # noqa: E731
+                                         jnp.pad(x[..., r_in:], ((0, 0), (0, 0), (0, p - p_in)))], axis=-1)
+        kv, tree_kv = pad(kv), pad(tree_kv)
+    if not page and n_slots < MIN_DOT:   # tiny caches only: pad so that one key block fits (rows past lengths
+        kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
     n_rows = kv.shape[1]
+    if page:
+        table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, _next_pow2(page_table.shape[1]) -
+                                                                 page_table.shape[1])), constant_values=kv.shape[0])
+    else:
+        table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
     n_q = t * h
     bq = block_q or min(PALLAS_BLOCK_Q, max(MIN_DOT, _next_pow2(n_q)))
     for name, v in (("block_q", bq), ("block_k", block_k or PALLAS_BLOCK_K)):
         if v < MIN_DOT or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {v}")
-    bk = min(block_k or PALLAS_BLOCK_K, _prev_pow2(n_rows))
+    bk = min(block_k or PALLAS_BLOCK_K, _prev_pow2(n_rows))         # paged: n_rows = page, so bk divides it
     nq = _cdiv(n_q, bq)
     qp = nq * bq
     n_blocks = _cdiv(n_slots, bk)
@@ -181,15 +203,15 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     dt = jnp.result_type(q_lat, q_pe, kv)
     q2, qpe2 = pad_q(q_lat.astype(dt)), pad_q(q_pe.astype(dt))
 
-    tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
     n_words = tp // TREE_BLOCK
-    tree_kv, ok = tree_rows(kv[:, :n_slots], lengths, t, tp)
     mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]    # [b, t, tp]
     words = jnp.broadcast_to(_pack_mask(mask)[:, :, None, :], (b, t, h, n_words))
     words = pad_q(words)                                                                   # [b, qp, W]
 
     kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
-                               n_slots=n_slots, n_rows=n_rows, n_words=n_words)
+                               n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page)
+    kv_spec = (pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0)) if page else    # the pool; rows via the table
+               pl.BlockSpec((None, n_rows, r + p), lambda i, j, k: (k, 0, 0)))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(nq, ns + 1, b),
@@ -197,7 +219,8 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             pl.BlockSpec((b,), lambda i, j, k: (0,)),
             pl.BlockSpec((None, bq, r), lambda i, j, k: (k, i, 0)),
             pl.BlockSpec((None, bq, p), lambda i, j, k: (k, i, 0)),
-            pl.BlockSpec((None, n_rows, r + p), lambda i, j, k: (k, 0, 0)),
+            kv_spec,
+            pl.BlockSpec((None, table.shape[1]), lambda i, j, k: (k, 0)),
             pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0)),
             pl.BlockSpec((None, bq, n_words), lambda i, j, k: (k, i, 0)),
         ],
@@ -214,6 +237,6 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         compiler_params=pltriton.CompilerParams(num_warps=PALLAS_NUM_WARPS, num_stages=PALLAS_NUM_STAGES),
         interpret=interpret,
         name="mla_tree_attention",
-    )(lengths.astype(jnp.int32), q2, qpe2, kv, tree_kv, words)
+    )(lengths.astype(jnp.int32), q2, qpe2, kv, table, tree_kv, words)
     out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
     return out[:, :n_q, :r_in].reshape(b, t, h, r_in)

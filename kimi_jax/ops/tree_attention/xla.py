@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kimi_jax.cache import gather
+
 F32 = jnp.float32
 MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
 
 
-def tree_rows(kv, lengths, t: int, width: int):
-    """The rows at slots lengths + j (j < width) [b, width, c], zeroed where j >= t or past the cache, and that
-    validity [b, width]."""
-    s = kv.shape[1]
+def tree_rows(kv, page_table, lengths, t: int, width: int, n_slots: int):
+    """The rows at logical slots lengths + j (j < width) [b, width, c] of one layer's storage kv (contiguous
+    [b, s, c], or a page pool with page_table; kimi_jax.cache), zeroed where j >= t or past the n_slots logical
+    slots, and that validity [b, width]."""
     slot = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    ok = (jnp.arange(width)[None, :] < t) & (slot < s) & (slot >= 0)
-    rows = jnp.take_along_axis(kv, jnp.clip(slot, 0, s - 1)[:, :, None], axis=1)
+    ok = (jnp.arange(width)[None, :] < t) & (slot < n_slots) & (slot >= 0)
+    rows = gather(kv, page_table, slot)
     return jnp.where(ok[:, :, None], rows, jnp.zeros((), kv.dtype)), ok
 
 
@@ -53,7 +55,7 @@ def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale):
     s = kv.shape[1]
     prefix_vis = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]           # [b, 1, 1, s]
     m1, l1, a1 = _partial_state(q_lat, q_pe, kv[..., :r], kv[..., r:], prefix_vis, scale)
-    rows, ok = tree_rows(kv, lengths, t, t)
+    rows, ok = tree_rows(kv, None, lengths, t, t, s)
     tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
     m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
     return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
