@@ -226,6 +226,14 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
     state, _ = program(*model._program_args(prompt, lens, 0.0, 0, dear))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
+    # Trees slightly dearer (a probe after 11 AR steps): a prior within HOPELESS_MARGIN keeps probing; one
+    # beyond it leaves the drafter off for the whole call (AR steps only, no probe).
+    for prior, probes in ((0.95 * 1.1, True), (0.6 * 1.1, False)):
+        table = np.stack([np.asarray([1.0] + [1.1] * (n - 1)), np.asarray([1.0] + [prior] * (n - 1))])
+        assert bool(engine.trees_hopeless(jnp.asarray(table))) != probes
+        state, _ = program(*model._program_args(prompt, lens, 0.0, 0, table.astype(np.float32)))
+        assert _tokens(state) == ar_tokens
+        assert bool((np.asarray(state.width)[:int(state.rounds)] > 0).any()) == probes, prior
 
 
 @pytest.mark.slow

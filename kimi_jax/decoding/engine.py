@@ -244,6 +244,12 @@ AUTO_WIDTHS = (0, 4, 8, 16, 32)
 # While AR steps win, the drafter runs again (a probe, so the outlook cannot go stale) once the AR steps since
 # the last draft took PROBE_RATIO times the cheapest tree round: probing costs at most ~1/PROBE_RATIO.
 PROBE_RATIO = 10.0
+# The auto policy leaves the drafter off for a whole call (no tree rounds, no probes, no feature taps: plain AR
+# steps) when even the calibrated prior outlook makes the best tree width this many times slower, in tokens per
+# second, than an AR step. Staying on taxes every AR step with the drafter's feature taps (~1.2x a plain AR step
+# on the embedded default, CPU), so trees must come at least that close to pay for it; text that drafts better
+# than the prior can still turn the drafter on within the margin.
+HOPELESS_MARGIN = 1.2
 
 
 def expected_tokens(tree: ddtree.Tree, widths) -> jax.Array:
@@ -269,6 +275,12 @@ def plan(state: State, costs) -> jax.Array:
     rate = state.outlook / seconds
     probe = state.since_draft * seconds[0] >= PROBE_RATIO * seconds[1]
     return (jnp.argmax(rate) > 0) | probe
+
+
+def trees_hopeless(costs) -> jax.Array:
+    """Whether, by the cost table's prior, no tree width can come within HOPELESS_MARGIN of an AR step."""
+    rate = costs[1] / costs[0]                    # prior expected tokens per row per second; [0] is the AR step
+    return jnp.max(rate[1:]) * HOPELESS_MARGIN < rate[0]
 
 
 def _finish(params, drafter_params, spec: Spec, state: State, tree: ddtree.Tree, width,
@@ -326,19 +338,29 @@ def round_step(params, drafter_params, spec: Spec, state: State, costs=None, for
 
 
 def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds, costs=None, force=-1):
-    """Rounds in a lax.while_loop until every row is done or max_rounds more rounds ran."""
+    """Rounds in a lax.while_loop until every row is done or max_rounds more rounds ran.
+
+    budget="auto" with a cost table that makes trees hopeless (``trees_hopeless``): the loop runs plain AR
+    rounds instead, decided once per call (the drafter's state is carried untouched)."""
     stop_at = state.rounds + max_rounds
 
-    def cond(carry):
-        s, _ = carry
-        return jnp.any(~s.done) & (s.rounds < stop_at)
+    def loop(spec, state):
+        def cond(carry):
+            s, _ = carry
+            return jnp.any(~s.done) & (s.rounds < stop_at)
 
-    def body(carry):
-        s, nan = carry
-        s, bad = round_step(params, drafter_params, spec, s, costs, force)
-        return s, nan | bad
+        def body(carry):
+            s, nan = carry
+            s, bad = round_step(params, drafter_params, spec, s, costs, force)
+            return s, nan | bad
 
-    return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
+        return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
+
+    if not spec.widths:
+        return loop(spec, state)
+    plain = spec._replace(method="ar", nodes=0, widths=())        # no taps, no drafter features
+    return jax.lax.cond((force < 0) & trees_hopeless(costs), functools.partial(loop, plain),
+                        functools.partial(loop, spec), state)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len", "pool_pages"))
