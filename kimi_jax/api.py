@@ -131,6 +131,8 @@ class Model:
                            rt=self.runtime)
 
     def _layout(self, rows, max_new, spec):
+        """-> (prompt [b, t] right-padded, lengths [b], layout): layout = (cache slots per row, page-pool pages;
+        0 for the contiguous cache), the static cache shape of the generation program."""
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
