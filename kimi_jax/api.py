@@ -324,7 +324,7 @@ _full_logits = jax.jit(full_logits, static_argnums=(1,), static_argnames=("attn_
 @functools.partial(jax.jit, static_argnums=(1,), static_argnames=("rt",))
 def _chunked_logits(params, cfg, tokens, rt):
     cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-    return chunked_forward(params, cfg, tokens, cache, rt.prefill_chunk, rt=rt).logits
+    return chunked_forward(params, cfg, tokens, cache, rt.prefill_chunk, attn_form="full", rt=rt).logits
 
 
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None,

@@ -154,11 +154,14 @@ def prefill(params, drafter_params, prompt, prompt_lens, temperature, seed, cost
     if spec.rt.mesh is not None:        # the cache's layout is the strategy's (dcp splits it by position)
         cache = jax.lax.with_sharding_constraint(cache, sharding.cache_sharding(cfg, spec.rt.mesh, spec.rt.strategy))
     chunk = spec.rt.prefill_chunk
+    # The prompt attends in MLA's full (non-absorbed) form: many queries per key, where expanding per-head K/V
+    # costs less than the 576-wide latent dot per (query, key) pair (1.4-1.5x faster prefill on the CPU).
     if prompt.shape[1] > chunk and prompt.shape[1] % chunk == 0:    # prompt widths are powers of two
-        fwd = chunked_forward(params, cfg, prompt, cache, chunk, last=prompt_lens - 1, taps=_taps(spec), rt=spec.rt)
+        fwd = chunked_forward(params, cfg, prompt, cache, chunk, last=prompt_lens - 1, taps=_taps(spec),
+                              attn_form="full", rt=spec.rt)
         last = fwd.logits[:, 0]
     else:
-        fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), rt=spec.rt)
+        fwd = forward(params, cfg, prompt, cache, taps=_taps(spec), attn_form="full", rt=spec.rt)
         last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     cache = fwd.cache.replace(lengths=prompt_lens.astype(jnp.int32))
     key, sub = jax.random.split(key)
