@@ -68,6 +68,7 @@ def test_configs_read_as_the_reference_reads_them():
     assert (y.rope_factor, y.input_embedding_scale, y.output_multiplier, y.final_logit_softcapping) == (8, 2, .5, 3)
 
 
+@pytest.mark.slow
 def test_ring_feature_cache_wraps_and_still_equals_the_reference():
     """Window 7 on every layer: 7 slots for a 20-token context committed in rounds of 3-4 rows, so the ring
     wraps twice; the block must still see exactly the reference's window."""
@@ -93,7 +94,7 @@ def e2e():
     return model, np.load(FIXTURES / "dflash" / "e2e" / "reference.npz")
 
 
-@pytest.mark.parametrize("case", ["stop", "length"])
+@pytest.mark.parametrize("case", ["stop", pytest.param("length", marks=pytest.mark.slow)])
 def test_greedy_dflash_equals_reference_dflash_generate(e2e, case):
     model, ref = e2e
     stop = tuple(int(t) for t in ref[f"{case}_stop"])

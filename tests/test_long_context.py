@@ -70,6 +70,7 @@ def test_greedy_ddtree_on_a_paged_cache_equals_ar_after_a_16k_prompt(params):
     assert got.tokens == want and got.stats["rounds"] >= 1
 
 
+@pytest.mark.slow
 def test_yarn_logits_beyond_100k_positions_equal_hf(tmp_path):
     """K2.6's rope scaling (factor 64 over 4096 positions) at positions 150000..150015: the logits equal HF
     transformers', closer than HF's own logits at positions 0..15 are (RoPE is relative; only large-angle float32

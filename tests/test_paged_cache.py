@@ -95,7 +95,8 @@ def test_paged_commit_equals_contiguous_commit():
             np.testing.assert_array_equal(view[i, :n], flat.kv[layer, i, :n])
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_paged_forward_equals_contiguous_prefill_decode_and_tree(impl):
     """Prefill rows of very different lengths, decode two steps, verify a tree and commit part of it: logits and
     committed rows of the paged cache equal the contiguous cache's at every step."""
