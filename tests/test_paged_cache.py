@@ -26,6 +26,13 @@ PAGE = 16
 LENGTHS = [3, 40, 100]
 
 
+def within_storage(kv, capacities):
+    """kv [L, b, s, c] zeroed past each row's whole pages: what the paged copy of it can hold (the contiguous
+    oracle then sees the zeros the paged cache reads there)."""
+    ends = jnp.asarray([-(-c // PAGE) * PAGE for c in capacities])
+    return kv * (jnp.arange(kv.shape[2])[None, None, :, None] < ends[None, :, None, None])
+
+
 def paged_copy(kv, capacities, page, seed=0):
     """A contiguous cache kv [L, b, s, c] as a paged one: row b's first ceil(capacity/page) pages, at shuffled
     positions of a pool with two spare pages (whose contents are garbage, never read); the rest unmapped."""
@@ -47,14 +54,11 @@ def paged_copy(kv, capacities, page, seed=0):
 
 
 def test_page_table_allocation_and_pool_size():
-    cache = cache_lib.init_paged_cache(TINY, jnp.asarray([5, 33, 0, 64]), 64, 16, pool_size(np.asarray([5, 33, 0, 64])))
+    caps = [5, 33, 0, 64]
+    cache = cache_lib.init_paged_cache(TINY, jnp.asarray(caps), 64, 16, cache_lib.pool_size(np.asarray(caps), 64, 16))
     n = cache.kv.shape[1]
     assert n == 8 and cache.max_len == 64                     # 1 + 3 + 0 + 4 = 8 pages, not 4 rows x 4
     np.testing.assert_array_equal(cache.page_table, [[0, n, n, n], [1, 2, 3, n], [n, n, n, n], [4, 5, 6, 7]])
-
-
-def pool_size(caps):
-    return cache_lib.pool_size(caps, 64, 16)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -67,8 +71,7 @@ def test_paged_attention_equals_dense_reference(impl, t):
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     mask = jnp.asarray(np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.7) | np.eye(t, dtype=bool))
     caps = [n + t for n in LENGTHS]
-    # the contiguous oracle sees zeros past each row's storage, as the paged cache does
-    kv = kv * (jnp.arange(s)[None, None, :, None] < jnp.asarray([-(-c // PAGE) * PAGE for c in caps])[None, :, None, None])
+    kv = within_storage(kv, caps)
     pool, table = paged_copy(kv, caps, PAGE)
     ref = dense_reference(q, qpe, kv[0], lengths, mask, 0.3)
     kw = dict(block_k=16, num_splits=3) if impl == "pallas" else {}
@@ -82,7 +85,7 @@ def test_paged_commit_equals_contiguous_commit():
     kv = jnp.asarray(rng.normal(size=(2, 3, 128, 8)), jnp.float32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     caps = [n + 8 for n in LENGTHS]
-    kv = kv * (jnp.arange(128)[None, None, :, None] < jnp.asarray([-(-c // PAGE) * PAGE for c in caps])[None, :, None, None])
+    kv = within_storage(kv, caps)
     pool, table = paged_copy(kv, caps, PAGE)
     path = jnp.asarray([[0, 2, 3, -1], [0, 1, 5, 7], [0, -1, -1, -1]], jnp.int32)
     path_len = jnp.asarray([3, 4, 1], jnp.int32)
