@@ -187,7 +187,7 @@ def main(argv=None):
     model = kimi_jax.load(a.target, drafter=a.drafter)
     model = kimi_jax.Model(model.config.replace(eos_token_ids=()), model.params, model.tokenizer, model.drafter)
     prompt = heldout_prompts(model.tokenizer, 1, 64)[0]
-    dparams = model.drafter.params
+    dparams = model.drafter_params
     rows = []
     for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in a.budgets.split(",")]:
         spec, arr, lens, (max_len, _) = model._prepare([prompt], 64, method, budget if method == "ddtree" else None,

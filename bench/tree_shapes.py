@@ -43,7 +43,7 @@ def draft_log_probs(model, seq: np.ndarray, starts: list[int]) -> np.ndarray:
     from kimi_jax.decoding import drafter as dflash
     from kimi_jax.model.transformer import forward
     c = model.drafter.config
-    dp, tp = jax.device_put(model.drafter.params), jax.device_put(model.compute_params)
+    dp, tp = model.drafter_params, model.compute_params
     t = len(seq)
     fwd = jax.jit(lambda p, s: forward(p, model.config, s, init_cache(model.config, 1, t), taps=c.target_layer_ids))(
         tp, jnp.asarray(seq[None]))

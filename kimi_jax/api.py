@@ -28,8 +28,7 @@ from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.model.moe import compute_params
-from kimi_jax.model.transformer import chunked_forward, full_logits
+from kimi_jax.model.transformer import chunked_forward, compute_params, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
@@ -58,6 +57,7 @@ class Model:
         self._programs = {}
         self._costs = {}
         self._compute_params = None
+        self._drafter_params = None
 
     @property
     def mesh(self):
@@ -65,10 +65,20 @@ class Model:
 
     @property
     def compute_params(self):
-        """The weights the generation programs run on (``kimi_jax.model.moe.compute_params``), made once."""
+        """The weights the generation programs run on (``kimi_jax.model.transformer.compute_params``), made once."""
         if self._compute_params is None:
             self._compute_params = compute_params(self.params, self.config, self.runtime)
         return self._compute_params
+
+    @property
+    def drafter_params(self):
+        """The drafter's weights as the programs run on them (``kimi_jax.decoding.drafter.compute_params``),
+        made once per drafter weights; None without a drafter."""
+        if self.drafter is None:
+            return None
+        if self._drafter_params is None or self._drafter_params[0] is not self.drafter.params:
+            self._drafter_params = (self.drafter.params, dflash.compute_params(self.drafter.params, self.mesh))
+        return self._drafter_params[1]
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[list[int]]:
@@ -186,9 +196,8 @@ class Model:
 
     def _args(self, prompt, lens, temperature, seed):
         """Arguments of engine.prefill (and the first six of engine.generate_program)."""
-        dparams = None if self.drafter is None else self.drafter.params
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
-        return (self.compute_params, dparams, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
+        return (self.compute_params, self.drafter_params, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
     def _program_args(self, prompt, lens, temperature, seed, costs=None, force=-1, max_rounds=None):

@@ -12,6 +12,7 @@ from kimi_jax.decoding import ddtree, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import init_params
+from kimi_jax.model import transformer
 from kimi_jax.model.transformer import forward
 
 CFG = preset("tiny").replace(eos_token_ids=())
@@ -51,6 +52,21 @@ def oracle_draft(sequences, wrong_depths=()):
         return logits
 
     return draft
+
+
+def test_stacked_and_per_layer_weights_decode_alike(model, target, monkeypatch):
+    """The generation programs run per-layer buffers on a small unsharded model and lax.scan over stacks on a
+    large one: both are the same model, so DDTree emits the same tokens either way."""
+    assert isinstance(model.compute_params["moe_layers"], tuple) and isinstance(model.drafter_params["layers"], tuple)
+    split = model.generate(PROMPTS, 12, method="ddtree", budget=4)
+    monkeypatch.setattr(transformer, "PER_LAYER_MAX_LAYERS", 0)
+    monkeypatch.setattr(dflash, "PER_LAYER_MAX_LAYERS", 0)
+    stacked_model = kimi_jax.Model(CFG, target, drafter=model.drafter)
+    assert not isinstance(stacked_model.compute_params["moe_layers"], tuple)
+    assert not isinstance(stacked_model.drafter_params["layers"], tuple)
+    stacked = stacked_model.generate(PROMPTS, 12, method="ddtree", budget=4)
+    np.testing.assert_array_equal(split.tokens, stacked.tokens)
+    assert split.stats["tau_per_round"] == stacked.stats["tau_per_round"]
 
 
 @pytest.fixture

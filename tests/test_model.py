@@ -16,7 +16,7 @@ from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import ConfigError, ModelConfig, param_count, preset
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import abstract_params, init_params
-from kimi_jax.model.transformer import forward, full_logits
+from kimi_jax.model.transformer import compute_params, forward, full_logits
 from kimi_jax.weights import checkpoint, hf
 
 TINY = preset("tiny")
@@ -63,6 +63,22 @@ def test_prefill_then_decode_equals_full_forward(tiny_params):
         cache = KVCache(step.cache.kv, cache.lengths + 1)
         pieces.append(step.logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_per_layer_weights_compute_what_stacked_layers_do(tiny_params):
+    """compute_params splits a small unsharded model into per-layer buffers (a Python loop over layers instead of
+    lax.scan); logits, taps, expert loads and cache rows must be the scanned forward's."""
+    split = compute_params(tiny_params, TINY)
+    assert isinstance(split["moe_layers"], tuple) and len(split["moe_layers"]) == TINY.num_moe_layers
+    assert isinstance(split["dense_layers"], tuple) and len(split["dense_layers"]) == TINY.first_k_dense_replace
+    ids = jax.random.randint(jax.random.key(4), (2, 7), 0, TINY.vocab_size)
+    cache = init_cache(TINY, 2, 16)
+    run = jax.jit(lambda p: forward(p, TINY, ids, cache, taps=(0, 2)))
+    want, got = run(tiny_params), run(split)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    deep = TINY.replace(num_hidden_layers=9)        # past PER_LAYER_MAX_LAYERS: the stacks (one scan body) stay
+    assert not isinstance(compute_params(init_params(deep, jax.random.key(0)), deep)["moe_layers"], tuple)
 
 
 def greedy_reference(params, cfg, prompt, n, width=32):

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
-from kimi_jax.model.layers import apply_rope_half, rms_norm, swiglu, yarn_frequencies
+from kimi_jax.model.layers import (PER_LAYER_MAX_LAYERS, apply_rope_half, rms_norm, run_layers, split_layers, swiglu,
+                                   yarn_frequencies)
 
 CONFIG_FILE = "drafter_config.json"
 
@@ -267,6 +268,14 @@ class Drafter:
     params: dict
 
 
+def compute_params(p, mesh=None):
+    """The drafter weights the generation programs run on: per-layer buffers when unsharded and small (the
+    target's rule, ``kimi_jax.model.transformer.compute_params``)."""
+    if mesh is not None or len(jax.tree.leaves(p["layers"])[0]) > PER_LAYER_MAX_LAYERS:
+        return p
+    return {**p, "layers": split_layers(p["layers"])}
+
+
 # ---- forward ---------------------------------------------------------------------------------------------
 
 def _inv_freq(c: DrafterConfig):
@@ -288,6 +297,8 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
         k = rms_norm(jnp.einsum("btd,dhk->bthk", ctx, lp["k"]), lp["k_norm"], c.rms_norm_eps)
         return (apply_rope_half(k, positions, inv_freq, c.rope_scale), jnp.einsum("btd,dhk->bthk", ctx, lp["v"]))
 
+    if isinstance(p["layers"], tuple):                 # per-layer buffers (split_layers)
+        return jax.tree.map(lambda *a: jnp.stack(a), *[one(lp) for lp in p["layers"]])
     return jax.vmap(one)(p["layers"])
 
 
@@ -324,7 +335,7 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
     ahead = positions[:, :, None] - jnp.concatenate([ctx_positions, positions], axis=1)[:, None, :]
 
     def layer(x, xs):
-        lp, ck, cv, causal, window = xs
+        lp, (ck, cv, causal, window) = xs
         visible = allowed & (~causal | (ahead >= 0))
         visible &= (window == 0) | ((ahead < window) & (causal | (-ahead < window)))
         h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
@@ -342,8 +353,8 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         h = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
         return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
 
-    xs = (p["layers"], ctx_k, ctx_v, jnp.asarray(c.causal), jnp.asarray(c.window, jnp.int32))
-    x, _ = jax.lax.scan(layer, x, xs)
+    xs = (ctx_k, ctx_v, jnp.asarray(c.causal), jnp.asarray(c.window, jnp.int32))
+    x, _ = run_layers(layer, x, p["layers"], xs)
     return rms_norm(x, p["norm"], c.rms_norm_eps)
 
 

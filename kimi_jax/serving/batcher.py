@@ -189,7 +189,7 @@ class Batcher:
         return engine.retire(state, np.ones(self.max_batch, bool))
 
     def _dispatch(self, state, sample):
-        drafter = None if self.model.drafter is None else self.model.drafter.params
+        drafter = self.model.drafter_params
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.chunk_program(self.model.compute_params, drafter, state, self._cost_table(sample),
                                             spec=self.specs[sample], rounds=self.rounds)
