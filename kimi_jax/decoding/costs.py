@@ -4,9 +4,10 @@ Next to the costs the table keeps a prior outlook (expected tokens per row at ea
 node probabilities in the calibration runs), on which the first round of a generation is planned.
 
 A round's cost is calibrated on the backend that serves it, once per (model, drafter, widths, batch, cache
-slots): the very generation program that serves requests runs with each width forced (``force``) and two
-round limits, and the difference of the two wall times over the difference of the rounds run is the cost
-of one round at that width (prefill and the launch cancel out). Each measurement is the best of a few runs.
+slots, kimi_jax source: a change to the programs changes their cost): the very generation program that serves
+requests runs with each width forced (``force``) and two round limits, and the difference of the two wall times
+over the difference of the rounds run is the cost of one round at that width (prefill and the launch cancel
+out). Each measurement is the best of a few runs.
 Costs are made monotone in the width (a running maximum: a wider tree never costs less, whatever the noise).
 
 Tables are cached in memory by ``kimi_jax.api.Model`` next to its compiled programs, and on disk as JSON under
@@ -16,6 +17,7 @@ with the same key reloads instead of measuring.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -36,10 +38,26 @@ def cache_dir() -> str:
     return os.path.join(cache_root(), "costs")
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kimi_jax package's Python source (what the compiled programs are made of)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def table_key(spec, batch: int, max_len: int) -> str:
-    """What a round's cost depends on: backend, model and drafter configs, widths, batch and cache slots."""
+    """What a round's cost depends on: backend, model and drafter configs, widths, batch, cache slots, code."""
     dev = jax.devices()[0]
     parts = dict(backend=jax.default_backend(), device=getattr(dev, "device_kind", ""), jax=jax.__version__,
+                 source=source_digest(),
                  cfg=spec.cfg.to_dict(), drafter=spec.drafter_cfg.to_dict(), widths=list(spec.widths),
                  block=spec.block_size, sample=spec.sample, batch=batch, max_len=max_len)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
