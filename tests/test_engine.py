@@ -54,6 +54,7 @@ def oracle_draft(sequences, wrong_depths=()):
     return draft
 
 
+@pytest.mark.slow     # compiles a second generation program; the forward's equality is in the fast loop
 def test_stacked_and_per_layer_weights_decode_alike(model, target, monkeypatch):
     """The generation programs run per-layer buffers on a small unsharded model and lax.scan over stacks on a
     large one: both are the same model, so DDTree emits the same tokens either way."""
