@@ -104,21 +104,21 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
     tapped = jnp.zeros((len(taps) + 1, b, t, cfg.hidden_size), x.dtype)
     kv = cache.kv
     loads = jnp.zeros((0, cfg.n_routed_experts), jnp.float32)
-    for stack, moe, offset in (("dense_layers", False, 0), ("moe_layers", True, cfg.first_k_dense_replace)):
-        n = cfg.first_k_dense_replace if not moe else cfg.num_moe_layers
+    for stack, is_moe, offset in (("dense_layers", False, 0), ("moe_layers", True, cfg.first_k_dense_replace)):
+        n = cfg.first_k_dense_replace if not is_moe else cfg.num_moe_layers
         if n == 0:
             continue
 
-        def body(carry, xs, moe=moe):
+        def body(carry, xs, is_moe=is_moe):
             x, kv, tapped = carry
             layer_params, index = xs
-            x, kv, layer_loads = _layer(cfg, rt, moe, attn_form, ctx, x, kv, layer_params, index)
+            x, kv, layer_loads = _layer(cfg, rt, is_moe, attn_form, ctx, x, kv, layer_params, index)
             tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, tap_slot[index], 0)
             return (x, kv, tapped), layer_loads
 
         indices = jnp.arange(offset, offset + n, dtype=jnp.int32)
         (x, kv, tapped), layer_loads = run_layers(body, (x, kv, tapped), params[stack], indices)
-        if moe:
+        if is_moe:
             loads = layer_loads
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
