@@ -126,6 +126,36 @@ def test_damaged_checkpoint_api_names_the_file(tmp_path, kind):
 
 
 @needs_default
+def test_failed_restore_leaves_no_reports_behind(tmp_path):
+    """A failed orbax restore leaves reads running in tensorstore's threads; their reports (closed event loop,
+    never-retrieved failure) must not reach stderr, while an unrelated unraisable exception still does."""
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    _damage("truncated", copy)
+    script = f"""
+import gc, sys, time
+from kimi_jax.weights.checkpoint import CheckpointError, restore_tree
+for _ in range(4):
+    try:
+        restore_tree({str(copy / "params")!r})
+    except CheckpointError:
+        print("failed as expected", file=sys.stderr)
+time.sleep(1.0)                                   # the stragglers finish after the restores returned
+class Unrelated:
+    def __del__(self):
+        raise ValueError("unrelated failure")
+Unrelated()
+gc.collect()
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
+    lines = res.stderr.strip().splitlines()
+    assert lines[:4] == ["failed as expected"] * 4, res.stderr
+    assert "Event loop is closed" not in res.stderr and "never retrieved" not in res.stderr, res.stderr
+    assert "unrelated failure" in res.stderr, res.stderr
+
+
+@needs_default
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):

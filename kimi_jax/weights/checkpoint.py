@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import shutil
 import sys
+import traceback
 import zlib
 from typing import Callable
 
@@ -69,6 +71,7 @@ def stored_tree(path: str) -> dict:
     import orbax.checkpoint as ocp
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    _drop_reports_of_abandoned_reads(path)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(os.path.abspath(path))
@@ -86,6 +89,7 @@ def restore_tree(path: str, target=None):
     import orbax.checkpoint as ocp
     if target is None:
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored_tree(path))
+    _drop_reports_of_abandoned_reads(path)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(os.path.abspath(path), target)
@@ -93,6 +97,38 @@ def restore_tree(path: str, target=None):
         detail = _storage_detail(e)
         raise CheckpointError(f"cannot read the orbax checkpoint {path}: {detail}; the files are damaged or "
                               f"incomplete: {REPAIR}") from None
+
+
+_READ_PATHS: set[str] = set()   # every orbax directory this process has read: the reports below name one of them
+
+
+def _drop_reports_of_abandoned_reads(path: str) -> None:
+    """Orbax starts the reads of all arrays at once. When one fails, the restore raises and closes its event loop
+    while the other reads still run in tensorstore's threads; each of those then reports from its own thread, at
+    any later moment (also after our one-line CheckpointError), that the loop is closed or that its failure was
+    never retrieved. Those reports repeat a failure we raise anyway: drop them, and nothing else. Installed before
+    the read (not when it fails) because the first reports can come before the failure reaches us."""
+    if not _READ_PATHS:
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            if not _is_abandoned_read(unraisable.exc_value, unraisable.exc_traceback, unraisable.object):
+                previous(unraisable)
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(
+            lambda record: not (record.exc_info and _is_abandoned_read(record.exc_info[1], None, None)))
+    _READ_PATHS.add(os.path.abspath(path))
+
+
+def _is_abandoned_read(exc, tb, obj) -> bool:
+    """A straggler of a failed orbax read: its coroutine, a tensorstore error naming a directory we read, or the
+    callback that found its event loop closed."""
+    if getattr(getattr(obj, "cr_code", None), "co_name", "") == "_read_array_index_and_device_put":
+        return True
+    if any(p in str(exc) for p in _READ_PATHS):
+        return True
+    frames = {f.name for f in traceback.extract_tb(tb)} if tb is not None else set()
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames
 
 
 def _storage_detail(e: BaseException) -> str:
