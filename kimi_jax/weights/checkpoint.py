@@ -27,9 +27,11 @@ import gc
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import traceback
+import warnings
 import zlib
 from typing import Callable
 
@@ -105,8 +107,8 @@ _READ_PATHS: set[str] = set()   # every orbax directory this process has read: t
 def _drop_reports_of_abandoned_reads(path: str) -> None:
     """Orbax starts the reads of all arrays at once. When one fails, the restore raises and closes its event loop
     while the other reads still run in tensorstore's threads; each of those then reports from its own thread, at
-    any later moment (also after our one-line CheckpointError), that the loop is closed or that its failure was
-    never retrieved. Those reports repeat a failure we raise anyway: drop them, and nothing else. Installed before
+    any later moment (also after our one-line CheckpointError), that the loop is closed, that its failure was
+    never retrieved, or that a coroutine of it was never awaited. Those reports repeat a failure we raise anyway: drop them, and nothing else. Installed before
     the read (not when it fails) because the first reports can come before the failure reaches us."""
     if not _READ_PATHS:
         previous = sys.unraisablehook
@@ -117,7 +119,29 @@ def _drop_reports_of_abandoned_reads(path: str) -> None:
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(
             lambda record: not (record.exc_info and _is_abandoned_read(record.exc_info[1], None, None)))
+        show = warnings.showwarning
+
+        def showwarning(message, category, *args, **kwargs):
+            if not (category is RuntimeWarning and _is_orbax_coroutine(str(message))):
+                show(message, category, *args, **kwargs)
+        warnings.showwarning = showwarning
     _READ_PATHS.add(os.path.abspath(path))
+
+
+def _is_orbax_coroutine(message: str) -> bool:
+    """"coroutine 'Store._get_array_metadatas' was never awaited", where that name is defined in an orbax
+    module: a step of a failed read that the closed loop never ran."""
+    m = re.fullmatch(r"coroutine '([\w.]+)' was never awaited", message)
+    if m is None:
+        return False
+    for name, module in list(sys.modules.items()):
+        if name.startswith("orbax.") and module is not None:
+            obj = module
+            for part in m.group(1).split("."):
+                obj = getattr(obj, part, None)
+            if obj is not None and getattr(obj, "__module__", "").startswith("orbax."):
+                return True
+    return False
 
 
 def _is_abandoned_read(exc, tb, obj) -> bool:
