@@ -78,8 +78,9 @@ def run_hf(model, prompts, new_tokens, python):
 def project_auto(model, prompts):
     """The auto policy under roofline costs of full K2.6 (TP-8) with this drafter's measured prior outlook."""
     from kimi_jax.decoding import costs
-    spec, arr, lens, layout = model._prepare([prompts[0]], 64, "ddtree", "auto", 0.0, None)
-    prior = model.cost_table(spec, arr, lens, 64, layout)[1]
+    request = model.prepare([prompts[0]], 64, "ddtree", "auto")
+    spec = request.spec
+    prior = model.cost_table(request)[1]
     out = {}
     for hw in ("h200", "b300"):
         seconds = costs.projected_seconds(hw, spec.widths)

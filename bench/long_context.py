@@ -39,13 +39,12 @@ def main(argv=None):
     model = kimi_jax.Model(cfg, init_params(cfg, jax.random.key(0)), runtime=Runtime(prefill_chunk=a.chunk))
     rng = np.random.default_rng(0)
     rows = []
-    spec = model.spec("ar", None, 0.0)
     for ctx in a.contexts:
         prompt = [rng.integers(2, cfg.vocab_size, ctx - 100).tolist()]   # + 65 new: a cache of ctx slots
-        arr, lens, (max_len, _) = model._layout(prompt, 65, spec)
-        args = model._args(arr, lens, 0.0, 0)
+        request = model.prepare(prompt, 65, "ar")
+        args = model.inputs(request.prompt, request.lens)
         prefill = jax.jit(engine.prefill, static_argnames=("spec", "max_new", "max_len")).lower(
-            *args, None, spec=spec, max_new=65, max_len=max_len).compile()
+            *args, None, spec=request.spec, max_new=65, max_len=request.max_len).compile()
         state, _ = prefill(*args, None)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
@@ -53,7 +52,7 @@ def main(argv=None):
         jax.block_until_ready(state)
         t_prefill = time.perf_counter() - t0
         steady = engine.steady_rounds_program.lower(model.compute_params, None, state, np.int32(-1), np.int32(1),
-                                                    spec=spec).compile()
+                                                    spec=request.spec).compile()
         per = {}
         for n in (8, 72):
             steady(model.compute_params, None, state, np.int32(-1), np.int32(n)).block_until_ready()
@@ -61,11 +60,11 @@ def main(argv=None):
             steady(model.compute_params, None, state, np.int32(-1), np.int32(n)).block_until_ready()
             per[n] = time.perf_counter() - t0
         mem = prefill.memory_analysis()
-        row = dict(context=ctx, prompt=len(prompt[0]), cache_slots=max_len,
+        row = dict(context=ctx, prompt=len(prompt[0]), cache_slots=request.max_len,
                    prefill_s=round(t_prefill, 3), prefill_tokens_per_s=round(len(prompt[0]) / t_prefill, 1),
                    decode_ms_per_step=round(1e3 * (per[72] - per[8]) / 64, 3),
                    prefill_temp_mb=round(mem.temp_size_in_bytes / 2**20, 1),
-                   cache_mb=round(cfg.num_hidden_layers * max_len * cfg.latent_dim * 4 / 2**20, 2))
+                   cache_mb=round(cfg.num_hidden_layers * request.max_len * cfg.latent_dim * 4 / 2**20, 2))
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = os.path.join(ROOT, "bench", "results", f"long_context_{jax.default_backend()}.json")

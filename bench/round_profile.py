@@ -175,7 +175,6 @@ def plot(result, path):
 
 def main(argv=None):
     import kimi_jax
-    from kimi_jax.decoding import engine
     from kimi_jax.training.corpus import heldout_prompts
     p = argparse.ArgumentParser(prog="python -m bench.round_profile")
     p.add_argument("--target", default=str(ROOT / "checkpoints" / "target"))
@@ -190,11 +189,11 @@ def main(argv=None):
     dparams = model.drafter_params
     rows = []
     for method, budget in [("ar", 0)] + [("ddtree", int(b)) for b in a.budgets.split(",")]:
-        spec, arr, lens, (max_len, _) = model._prepare([prompt], 64, method, budget if method == "ddtree" else None,
-                                                  0.0, None)
-        state, _ = engine.prefill_program(*model._args(arr, lens, 0.0, 0), spec=spec, max_new=64, max_len=max_len)
-        res = profile_round(model, spec, state, dparams)
-        res.update(label="ar" if method == "ar" else f"B={budget}", method=method, budget=budget, max_len=max_len)
+        request = model.prepare([prompt], 64, method, budget if method == "ddtree" else None)
+        state, _ = model.prefill(request)
+        res = profile_round(model, request.spec, state, dparams)
+        res.update(label="ar" if method == "ar" else f"B={budget}", method=method, budget=budget,
+                   max_len=request.max_len)
         rows.append(res)
         print(f"{res['label']:>6s}: {res['round_ms']:6.2f} ms/round  " +
               "  ".join(f"{s} {v:.2f}" for s, v in res["stages_ms"].items()), flush=True)

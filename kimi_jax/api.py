@@ -7,7 +7,10 @@
 
 ``generate`` compiles one program per (method, budget, batch, bucketed lengths) ahead of time and runs the
 whole generation in a single dispatch; ``stream`` runs a fixed number of rounds per dispatch and yields the
-tokens each chunk accepted.
+tokens each chunk accepted. Under both, for code that drives the engine itself (benchmarks, the notebook's tree
+plot): ``prepare`` validates a request and lays it out (a ``Request``), ``prefill`` runs its first dispatch,
+``program``/``program_args`` are the whole-generation program and its arguments, ``cost_table`` the auto
+policy's costs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,21 @@ from kimi_jax.model.transformer import chunked_forward, compute_params, full_log
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)     # holds arrays: identity, not elementwise, equality
+class Request:
+    """A validated request laid out for the engine's programs (``Model.prepare``)."""
+    spec: engine.Spec          # the static program description: method, tree width(s), sampling, drafter block
+    prompt: np.ndarray         # [b, t] int32 token ids, right-padded to a bucketed length
+    lens: np.ndarray           # [b] int32 prompt lengths
+    max_new: int               # new tokens per row at most
+    max_len: int               # cache slots per row (bucketed)
+    pool_pages: int = 0        # page-pool pages of a paged cache; 0 for the contiguous cache
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return self.max_len, self.pool_pages
 
 
 @dataclasses.dataclass
@@ -140,18 +158,23 @@ class Model:
         return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block,
                            rt=self.runtime)
 
-    def _layout(self, rows, max_new, spec):
-        """-> (prompt [b, t] right-padded, lengths [b], layout): layout = (cache slots per row, page-pool pages;
-        0 for the contiguous cache), the static cache shape of the generation program."""
+    def prepare(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
+                temperature: float = 0.0, block_size: int | None = None) -> Request:
+        """Validate a request and lay it out for the engine's programs (what ``generate`` runs on; also the way
+        in for code that drives the engine itself: ``prefill``, ``program``)."""
+        method = method or ("ddtree" if self.drafter is not None else "ar")
+        check_request(max_new_tokens, method, budget, temperature)
+        spec = self.spec(method, budget, temperature, block_size)
+        rows = self.encode(prompt)
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
             raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.nodes + 1} "
                                   f"tree tokens in the context of {context}; shorten it or lower the budget")
-        need = longest + max_new + spec.nodes + 1
+        need = longest + max_new_tokens + spec.nodes + 1
         if need > context:
             raise GenerationError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new}) + tree ({spec.nodes + 1}) = {need} "
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree ({spec.nodes + 1}) = {need} "
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
         t = min(bucket(longest), context)
         max_len = min(bucket(need, 64), context)
@@ -160,12 +183,12 @@ class Model:
         pool = 0
         if page:            # logical rows in whole pages; the pool holds only what each row can touch
             max_len = -(-max_len // page) * page
-            pool = pool_size(engine.row_capacity(lens, max_new, spec), max_len, page)
+            pool = pool_size(engine.row_capacity(lens, max_new_tokens, spec), max_len, page)
         self._check_cache_fits(len(rows), max_len, pool)
-        prompt = np.zeros((len(rows), t), np.int32)
+        padded = np.zeros((len(rows), t), np.int32)
         for i, r in enumerate(rows):
-            prompt[i, :len(r)] = r
-        return prompt, lens, (max_len, pool)
+            padded[i, :len(r)] = r
+        return Request(spec, padded, lens, max_new_tokens, max_len, pool)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
         """A GenerationError naming the bytes if the latent cache (+ drafter features) cannot fit the device."""
@@ -181,62 +204,69 @@ class Model:
             raise GenerationError(f"a cache of {max_len} positions for {rows} rows needs {need / 2**30:.2f} GiB but "
                                   f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
-    def _program(self, spec, prompt, max_new, layout):
-        """The compiled generation program; layout = (cache slots per row, page pool size or 0) from _layout."""
-        key = (spec, prompt.shape, max_new, layout)
-        if key not in self._programs:
-            t0 = time.perf_counter()
-            costs = np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
-            args = self._program_args(prompt, np.ones(prompt.shape[0], np.int32), 0.0, 0, costs)
-            with sharding.mesh_context(self.mesh):
-                lowered = engine.generate_program.lower(*args, spec=spec, max_new=max_new, max_len=layout[0],
-                                                        pool_pages=layout[1])
-            self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
-        return self._programs[key]
-
-    def _args(self, prompt, lens, temperature, seed):
-        """Arguments of engine.prefill (and the first six of engine.generate_program)."""
+    def inputs(self, prompt, lens, temperature: float = 0.0, seed: int = 0) -> tuple:
+        """The arguments every engine program starts with: compute params, drafter params, prompt [b, t],
+        lengths [b], temperature, seed."""
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
         return (self.compute_params, self.drafter_params, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
-    def _program_args(self, prompt, lens, temperature, seed, costs=None, force=-1, max_rounds=None):
-        """Arguments of engine.generate_program: prefill's, the auto cost table, its override, a round limit."""
-        return self._args(prompt, lens, temperature, seed) + (
+    def program(self, request: Request):
+        """-> (the compiled whole-generation program for the request's shapes, seconds it took to compile);
+        compiled once per (spec, prompt shape, max_new, cache layout). Call it on ``program_args``."""
+        key = (request.spec, request.prompt.shape, request.max_new, request.layout)
+        if key not in self._programs:
+            t0 = time.perf_counter()
+            costs = np.ones((2, len(request.spec.widths)), np.float32) if request.spec.widths else None
+            blank = dataclasses.replace(request, lens=np.ones_like(request.lens))
+            with sharding.mesh_context(self.mesh):
+                lowered = engine.generate_program.lower(*self.program_args(blank, costs=costs), spec=request.spec,
+                                                        max_new=request.max_new, max_len=request.max_len,
+                                                        pool_pages=request.pool_pages)
+            self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
+        return self._programs[key]
+
+    def program_args(self, request: Request, temperature: float = 0.0, seed: int = 0, costs=None, force: int = -1,
+                     max_rounds: int | None = None) -> tuple:
+        """Arguments of the generation program: ``inputs``, the auto cost table (``cost_table``; None for fixed
+        methods), a forced width index (-1: the policy chooses), a round limit (None: until done)."""
+        return self.inputs(request.prompt, request.lens, temperature, seed) + (
             costs, np.int32(force), np.int32(2 ** 30 if max_rounds is None else max_rounds))
 
-    def cost_table(self, spec, prompt, lens, max_new, layout) -> np.ndarray:
+    def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
+        """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
+        engine.chunk_program."""
+        with sharding.mesh_context(self.mesh):
+            return engine.prefill_program(*self.inputs(request.prompt, request.lens, temperature, seed),
+                                          self._costs_arg(request), spec=request.spec, max_new=request.max_new,
+                                          max_len=request.max_len, pool_pages=request.pool_pages)
+
+    def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
         backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
         from kimi_jax.decoding import costs
-        key = costs.table_key(spec, prompt.shape[0], layout[0])
+        spec = request.spec
+        key = costs.table_key(spec, request.prompt.shape[0], request.max_len)
         if key not in self._costs:
             table = costs.load(key)
             if table is None or table.shape[1] != len(spec.widths):
-                program, _ = self._program(spec, prompt, max_new, layout)
+                program, _ = self.program(request)
                 ones = np.ones((2, len(spec.widths)), np.float32)
 
                 def run(force, limit):
-                    state, _ = program(*self._program_args(prompt, lens, 0.0, 0, ones, force, limit))
+                    state, _ = program(*self.program_args(request, costs=ones, force=force, max_rounds=limit))
                     rounds, outlook = jax.device_get((state.rounds, state.outlook))
-                    return int(rounds), outlook / prompt.shape[0]
+                    return int(rounds), outlook / request.prompt.shape[0]
 
                 table = costs.measure(run, len(spec.widths))
                 costs.save(key, table, spec.widths)
             self._costs[key] = table
         return self._costs[key]
 
-    def _costs_arg(self, spec, prompt, lens, max_new, layout):
-        if not spec.widths:
+    def _costs_arg(self, request: Request):
+        if not request.spec.widths:
             return None
-        return np.asarray(self.cost_table(spec, prompt, lens, max_new, layout), np.float32)
-
-    def _prepare(self, prompt, max_new_tokens, method, budget, temperature, block_size):
-        """Validate a request and lay it out: (spec, prompt array [b, t], prompt lengths, cache slots)."""
-        method = method or ("ddtree" if self.drafter is not None else "ar")
-        check_request(max_new_tokens, method, budget, temperature)
-        spec = self.spec(method, budget, temperature, block_size)
-        return (spec, *self._layout(self.encode(prompt), max_new_tokens, spec))
+        return np.asarray(self.cost_table(request), np.float32)
 
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                  temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
@@ -244,12 +274,11 @@ class Model:
 
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
         width by expected tokens per second under costs calibrated on this backend (``cost_table``)."""
-        spec, prompt_arr, lens, layout = self._prepare(prompt, max_new_tokens, method, budget, temperature,
-                                                       block_size)
-        program, compile_s = self._program(spec, prompt_arr, max_new_tokens, layout)
-        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, layout)
+        request = self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size)
+        program, compile_s = self.program(request)
+        costs = self._costs_arg(request)
         t0 = time.perf_counter()
-        state, nan = program(*self._program_args(prompt_arr, lens, temperature, seed, costs))
+        state, nan = program(*self.program_args(request, temperature, seed, costs))
         n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.width,
                                                               state.rounds))
         elapsed = time.perf_counter() - t0
@@ -272,15 +301,11 @@ class Model:
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
-        spec, prompt_arr, lens, layout = self._prepare(prompt, max_new_tokens, method, budget, temperature,
-                                                       block_size)
-        rows = len(lens)
+        request = self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size)
+        rows = len(request.lens)
         t0 = time.perf_counter()
-        costs = self._costs_arg(spec, prompt_arr, lens, max_new_tokens, layout)
-        args = self._args(prompt_arr, lens, temperature, seed)
-        with sharding.mesh_context(self.mesh):
-            state, nan = engine.prefill_program(*args, costs, spec=spec, max_new=max_new_tokens, max_len=layout[0],
-                                                pool_pages=layout[1])
+        costs = self._costs_arg(request)
+        state, nan = self.prefill(request, temperature, seed)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
@@ -291,8 +316,8 @@ class Model:
             if done.all() or bool(nan):
                 break
             with sharding.mesh_context(self.mesh):
-                state, bad = engine.chunk_program(args[0], args[1], state, costs, spec=spec,
-                                                  rounds=rounds_per_dispatch)
+                state, bad = engine.chunk_program(self.compute_params, self.drafter_params, state, costs,
+                                                  spec=request.spec, rounds=rounds_per_dispatch)
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)

@@ -134,12 +134,10 @@ def test_tree_verify_equals_causal_forward_over_each_path(target):
 def test_caches_after_every_round(model, ar_tokens, patch_draft):
     """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
-    spec = model.spec("ddtree", 8, 0.0)
-    prompt, lens, (max_len, _) = model._layout(model.encode(PROMPTS), 24, spec)
-    args = model._args(prompt, lens, 0.0, 0)
-    state, _ = engine.prefill_program(*args, spec=spec, max_new=24, max_len=max_len)
+    request = model.prepare(PROMPTS, 24, "ddtree", 8)
+    state, _ = model.prefill(request)
     for _ in range(4):
-        state, _ = engine.chunk_program(model.params, args[1], state, spec=spec, rounds=1)
+        state, _ = engine.chunk_program(model.params, model.drafter_params, state, spec=request.spec, rounds=1)
         lengths = np.asarray(state.cache.lengths)
         for b in range(len(PROMPTS)):
             committed = (PROMPTS[b] + ar_tokens[b])[:lengths[b]]
@@ -205,10 +203,8 @@ def test_pallas_tree_attention_in_the_engine(model, ar_tokens):
 # ---- budget="auto": the cost-model width ----------------------------------------------------------------
 
 def _auto_program(model, prompts, max_new):
-    spec = model.spec("ddtree", "auto", 0.0)
-    prompt, lens, layout = model._layout(model.encode(prompts), max_new, spec)
-    program, _ = model._program(spec, prompt, max_new, layout)
-    return spec, program, prompt, lens, layout
+    request = model.prepare(prompts, max_new, "ddtree", "auto")
+    return request, model.program(request)[0]
 
 
 def _tokens(state):
@@ -224,23 +220,24 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
     if oracle:
         patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
-    spec, program, prompt, lens, _ = _auto_program(model, PROMPTS, 24)
+    request, program = _auto_program(model, PROMPTS, 24)
+    spec = request.spec
     assert spec.widths == engine.AUTO_WIDTHS and spec.nodes == max(engine.AUTO_WIDTHS)
     n = len(spec.widths)
     flat = np.ones((2, n), np.float32)
     for force in range(n):
-        state, _ = program(*model._program_args(prompt, lens, 0.0, 0, flat, force))
+        state, _ = program(*model.program_args(request, costs=flat, force=force))
         assert _tokens(state) == ar_tokens, f"width {spec.widths[force]}"
         widths = np.asarray(state.width)[:int(state.rounds)]
         assert set(widths.tolist()) == {spec.widths[force]}
     # Trees nearly free: after the first (prior-planned) round every round drafts and verifies a tree.
     cheap = np.stack([np.asarray([1.0] + [0.01] * (n - 1)), np.asarray([1.0] + [2.0] * (n - 1))]).astype(np.float32)
-    state, _ = program(*model._program_args(prompt, lens, 0.0, 0, cheap))
+    state, _ = program(*model.program_args(request, costs=cheap))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] > 0).all()
     # Trees far dearer than AR, and a prior that says so: AR steps, a probe only every PROBE_RATIO x cost.
     dear = np.stack([np.asarray([1.0] + [100.0] * (n - 1)), np.ones(n)]).astype(np.float32)
-    state, _ = program(*model._program_args(prompt, lens, 0.0, 0, dear))
+    state, _ = program(*model.program_args(request, costs=dear))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
     # Trees slightly dearer (a probe after 11 AR steps): a prior within HOPELESS_MARGIN keeps probing; one
@@ -248,7 +245,7 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
     for prior, probes in ((0.95 * 1.1, True), (0.6 * 1.1, False)):
         table = np.stack([np.asarray([1.0] + [1.1] * (n - 1)), np.asarray([1.0] + [prior] * (n - 1))])
         assert bool(engine.trees_hopeless(jnp.asarray(table))) != probes
-        state, _ = program(*model._program_args(prompt, lens, 0.0, 0, table.astype(np.float32)))
+        state, _ = program(*model.program_args(request, costs=table.astype(np.float32)))
         assert _tokens(state) == ar_tokens
         assert bool((np.asarray(state.width)[:int(state.rounds)] > 0).any()) == probes, prior
 
@@ -258,9 +255,9 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
     from kimi_jax.decoding import costs
     monkeypatch.setenv("KIMI_JAX_CACHE", str(tmp_path))
     m = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
-    spec, _, prompt, lens, layout = _auto_program(m, PROMPTS[:1], 24)
-    table = m.cost_table(spec, prompt, lens, 24, layout)
-    assert table.shape == (2, len(spec.widths))
+    request, _ = _auto_program(m, PROMPTS[:1], 24)
+    table = m.cost_table(request)
+    assert table.shape == (2, len(request.spec.widths))
     assert (table[0] > 0).all() and (np.diff(table[0]) >= 0).all()             # seconds: monotone in width
     assert table[1][0] == 1.0 and (np.diff(table[1]) >= -1e-6).all()          # expected tokens grow with width
     assert len(list(tmp_path.glob("costs/*.json"))) == 1
@@ -269,7 +266,7 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
         raise AssertionError("the table should have come from the disk cache")
     monkeypatch.setattr(costs, "measure", no_measuring)
     again = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
-    np.testing.assert_allclose(again.cost_table(spec, prompt, lens, 24, layout), table, rtol=1e-6)
+    np.testing.assert_allclose(again.cost_table(request), table, rtol=1e-6)
     assert again.generate(PROMPTS[:1], 8).stats["width_per_round"]             # auto by default, widths reported
 
 

@@ -150,9 +150,8 @@ def test_generate_with_a_paged_cache_gives_the_contiguous_tokens(method):
                           runtime=Runtime(page_size=PAGE))
     prompts = ["def f(x):\n    return", "import os\nimport sys\n\n\nclass Config:\n    \"\"\"Settings read from the "
                "environment, with defaults for every field that the service needs to start.\"\"\"\n\n    def __init__"]
-    spec = paged.spec(method, 8 if method == "ddtree" else None, 0.0)
-    _, _, (max_len, pool) = paged._layout(paged.encode(prompts), 24, spec)
-    assert 0 < pool * PAGE < 2 * max_len                      # the rows own less than two full-length blocks
+    request = paged.prepare(prompts, 24, method, 8 if method == "ddtree" else None)
+    assert 0 < request.pool_pages * PAGE < 2 * request.max_len                      # the rows own less than two full-length blocks
     a = model.generate(prompts, 24, method=method, budget=8 if method == "ddtree" else None)
     b = paged.generate(prompts, 24, method=method, budget=8 if method == "ddtree" else None)
     assert b.tokens == a.tokens

@@ -143,7 +143,6 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     """dcp on 8 fake devices: each device holds 1/8 of the latent cache's positions, and AR and DDTree emit
     the one-device AR tokens."""
     from kimi_jax.decoding import drafter as dflash
-    from kimi_jax.decoding import engine
     ref_tokens, _ = reference
     mesh = part.make_mesh("tp=8")
     sharded = part.shard_params(params, CFG, mesh, "dcp")
@@ -154,10 +153,7 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     model = kimi_jax.Model(CFG, sharded, drafter=drafter, mesh=mesh, runtime=Runtime(strategy="dcp"))
     for method in ("ar", "ddtree"):
         assert model.generate(PROMPTS, max_new_tokens=8, method=method, budget=6).tokens == ref_tokens, method
-    spec = model.spec("ar", None, 0.0)
-    prompt, lens, (max_len, _) = model._layout(PROMPTS, 8, spec)
-    with part.mesh_context(mesh):
-        state, _ = engine.prefill_program(*model._args(prompt, lens, 0.0, 0), None, spec=spec, max_new=8,
-                                          max_len=max_len)
+    request = model.prepare(PROMPTS, 8, "ar")
+    state, _ = model.prefill(request)
     kv = state.cache.kv
-    assert kv.sharding.shard_shape(kv.shape)[2] == max_len // 8
+    assert kv.sharding.shard_shape(kv.shape)[2] == request.max_len // 8

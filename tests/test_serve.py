@@ -219,12 +219,12 @@ def test_sigterm_drains_running_requests_and_exits_0(server, reference):
 
 
 def test_queue_bound_answers_full(reference):
-    from kimi_jax.serving.batcher import Batcher, QueueFull, Request
+    from kimi_jax.serving.batcher import Batcher, Job, QueueFull
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
     b = Batcher(model, max_batch=2, max_new=8, max_len=128, budget=4, queue_size=3)   # not started: nothing runs
     noop = lambda *_: None  # noqa: E731
     for _ in range(3):
-        b.submit(Request([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
+        b.submit(Job([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
     with pytest.raises(QueueFull, match="3 requests are waiting"):
-        b.submit(Request([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
+        b.submit(Job([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
     assert b.queue_depth == 3 and np.all([r is None for r in b._slots])

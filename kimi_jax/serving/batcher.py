@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from kimi_jax import sharding
-from kimi_jax.api import Model, bucket
+from kimi_jax.api import Model, Request, bucket
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
 
@@ -39,7 +39,7 @@ class QueueFull(RuntimeError):
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class Job:
     """One generation, as the batcher sees it. ``emit(tokens)`` and ``finish(reason)`` are called from the
     batcher thread (the HTTP side wraps them to hop onto its event loop)."""
     ids: list[int]
@@ -96,8 +96,8 @@ class Batcher:
                                if n < 2 * self.max_prompt})
         self.queue_size = queue_size
         self.stats = Stats()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._slots: list[Request | None] = [None] * max_batch
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._slots: list[Job | None] = [None] * max_batch
         self._wake = threading.Condition()
         self._stop = False
         self._state = self._group = None
@@ -115,7 +115,7 @@ class Batcher:
                                   f"(cache of {self.max_len} minus max_new {self.max_new} and one tree)")
         self.model.encode(ids)                         # ids inside the vocabulary
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Job) -> None:
         with self._wake:
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue's bound); retry later")
@@ -154,25 +154,21 @@ class Batcher:
         log(f"compiled {2 * len(self.buckets) + 2} programs for {self.max_batch} slots, prompts up to "
             f"{self.max_prompt} tokens, {self.method} in {time.perf_counter() - t0:.1f}s")
 
-    def _args(self, prompt, lens, temperature, seed):
-        return self.model._args(prompt, lens, temperature, seed)
-
     def _cost_table(self, sample):
         spec = self.specs[sample]
         if not spec.widths:
             return None
         if sample not in self._costs:
-            prompt = np.zeros((self.max_batch, self.buckets[0]), np.int32)
-            lens = np.ones(self.max_batch, np.int32)
-            self._costs[sample] = np.asarray(self.model.cost_table(spec, prompt, lens, self.max_new, (self.max_len, 0)),
-                                             np.float32)
+            blank = Request(spec, np.zeros((self.max_batch, self.buckets[0]), np.int32),
+                            np.ones(self.max_batch, np.int32), self.max_new, self.max_len)
+            self._costs[sample] = np.asarray(self.model.cost_table(blank), np.float32)
         return self._costs[sample]
 
     def _prefill(self, ids, sample, temperature, seed):
         t = next(b for b in self.buckets if b >= len(ids))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, :len(ids)] = ids
-        args = self._args(prompt, np.asarray([len(ids)], np.int32), temperature, seed)
+        args = self.model.inputs(prompt, np.asarray([len(ids)], np.int32), temperature, seed)
         costs = self._cost_table(sample)
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.prefill_program(*args, costs, spec=self.specs[sample], max_new=self.max_new,
@@ -182,7 +178,7 @@ class Batcher:
     def _blank(self, sample, temperature=1.0, seed=0):
         """A batch state with every slot free (done)."""
         prompt = np.ones((self.max_batch, self.buckets[0]), np.int32)
-        args = self._args(prompt, np.ones(self.max_batch, np.int32), temperature, seed)
+        args = self.model.inputs(prompt, np.ones(self.max_batch, np.int32), temperature, seed)
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.prefill_program(*args, self._cost_table(sample), spec=self.specs[sample],
                                               max_new=self.max_new, max_len=self.max_len)

@@ -28,8 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.serving.batcher import Batcher, QueueFull
-from kimi_jax.serving.batcher import Request as Job
+from kimi_jax.serving.batcher import Batcher, Job, QueueFull
 from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
 
 
