@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import sharding
+from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache, pool_size
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import drafter as dflash
@@ -163,7 +163,8 @@ class Model:
         """Validate a request and lay it out for the engine's programs (what ``generate`` runs on; also the way
         in for code that drives the engine itself: ``prefill``, ``program``)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
-        check_request(max_new_tokens, method, budget, temperature)
+        fields.check(max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
+                     block_size=block_size)
         spec = self.spec(method, budget, temperature, block_size)
         rows = self.encode(prompt)
         longest = max(map(len, rows))
@@ -207,6 +208,7 @@ class Model:
     def inputs(self, prompt, lens, temperature: float = 0.0, seed: int = 0) -> tuple:
         """The arguments every engine program starts with: compute params, drafter params, prompt [b, t],
         lengths [b], temperature, seed."""
+        fields.check(temperature=temperature, seed=seed)
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
         return (self.compute_params, self.drafter_params, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
@@ -332,19 +334,6 @@ def device_memory_bytes() -> int | None:
     if "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-
-
-def check_request(max_new_tokens, method, budget, temperature) -> None:
-    """The model-independent checks of a generation request (the CLI runs them before loading anything);
-    the message names the argument and the fix."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if method is not None and method not in engine.METHODS:
-        raise GenerationError(f"method {method!r} is not one of {engine.METHODS}")
-    if not (budget in ("auto", None) or (isinstance(budget, (int, np.integer)) and budget >= 0)):
-        raise GenerationError(f"budget must be 'auto' or an integer >= 0, got {budget!r}")
-    if not isinstance(temperature, (int, float, np.floating)) or temperature < 0 or not np.isfinite(temperature):
-        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature!r}")
 
 
 def _check_finite(nan_flag):

@@ -59,8 +59,9 @@ def _parse(argv):
                    help="checksum every weight file against the checkpoint's manifest (sizes are always checked)")
     args = p.parse_args(argv)
     args.budget = parse_budget(p, args.budget)
-    from kimi_jax.api import check_request  # the API's own checks, before anything is loaded
-    check_request(args.max_new_tokens, args.method, args.budget, args.temperature)
+    from kimi_jax import fields  # the API's own checks, before anything is loaded
+    fields.check(max_new_tokens=args.max_new_tokens, method=args.method, budget=args.budget,
+                 temperature=args.temperature, seed=args.seed)
     return args
 
 

@@ -36,13 +36,8 @@ from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import ddtree
 from kimi_jax.decoding import drafter as dflash
+from kimi_jax.fields import METHODS, GenerationError  # noqa: F401  (both are part of the engine's surface)
 from kimi_jax.model.transformer import ForwardOut, chunked_forward, forward
-
-METHODS = ("ar", "dflash", "ddtree")
-
-
-class GenerationError(ValueError):
-    """Bad generation arguments (lengths, budget, token ids); the message names the fix."""
 
 
 @flax.struct.dataclass
