@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -170,12 +171,20 @@ def test_disconnect_mid_stream_frees_the_slot(server, reference):
     assert httpx.get(server["url"] + "/health").json()["active"] == 0
 
 
-BAD = [({"prompt": "x", "max_tokens": 4, "method": "beam"}, "method"),
+BAD = [({"prompt": "x", "max_tokens": 4, "seed": -1}, "seed"),
+       ({"prompt": "x", "max_tokens": 4, "seed": 2**32}, "uint32"),
+       ({"prompt": "x", "max_tokens": 4, "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+       ({"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 1}}, "logit_bias"),
+       ({"prompt": "x", "max_tokens": 4, "colour": "red"}, "colour: unknown field"),
+       ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+       ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls: unknown field"),
+       ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+       ({"prompt": "x", "max_tokens": 4, "method": "beam"}, "method"),
        ({"prompt": "x", "max_tokens": 4, "method": "dflash"}, "not served"),
        ({"prompt": "x = 1\n" * 400, "max_tokens": 4}, "at most"),
        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
        ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "limit"),
-       ({"prompt": "x", "max_tokens": 4, "n": 2}, "n > 1"),
+       ({"prompt": "x", "max_tokens": 4, "n": 2}, "n is not supported"),
        ({"prompt": [99999], "max_tokens": 4}, "vocabulary"),
        ({"messages": [], "max_tokens": 4}, "messages")]
 
@@ -190,8 +199,8 @@ def test_bad_requests_are_400s_and_others_complete(server, reference):
                                                 temperature=0)
         return r.choices[0].text, r.choices[0].finish_reason
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = [pool.submit(good) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(good) for _ in range(3)]
         for body, word in BAD:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = httpx.post(server["url"] + path, json=body, timeout=60)
@@ -200,7 +209,110 @@ def test_bad_requests_are_400s_and_others_complete(server, reference):
         r = httpx.post(server["url"] + "/v1/completions", content=b'{"prompt": "x", ', timeout=60,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-        assert [f.result() for f in running] == [want[:2]] * 2
+        r = httpx.post(server["url"] + "/v1/completions", json={"prompt": "x", "model": "gpt-4"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/nowhere", 404),
+                                     ("POST", "/v1/embeddings", 404)):
+            r = httpx.request(method, server["url"] + path, timeout=60)
+            assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert [f.result() for f in running] == [want[:2]] * 3
+
+
+# ---- fuzzing the door: every bad body a 4xx, every good one exactly what it gets alone ---------------------
+MISSING = object()
+FUZZ_PROMPTS = ["def area(r):\n    return", "x = [i * i for i in", "while True:\n"]
+FUZZ_EXAMPLES = 150
+
+
+def _fuzz_body(draw, name):
+    """A request body mixing valid and invalid values, and the oracle's verdict: written from the README's
+    table of accepted fields, not from the server's code."""
+    st = hypothesis.strategies
+    ok, only_valid = True, draw(st.booleans())      # half the bodies all valid, half with any mix
+
+    def pick(valid, invalid):
+        nonlocal ok
+        v = draw(st.sampled_from(valid if only_valid else valid + invalid))
+        if any(v is x or (v == x and type(v) is type(x)) for x in invalid):
+            ok = False
+        return v
+
+    prompt = draw(st.sampled_from(FUZZ_PROMPTS))
+    body = {
+        "prompt": pick([prompt, [prompt], ("ids", prompt)], ["", [], [prompt, prompt], [-1], 5, None, MISSING]),
+        "max_tokens": pick([MISSING, None, 1, 7, MAX_NEW], [0, -3, MAX_NEW + 1, "4", 2.0, True]),
+        "temperature": pick([MISSING, None, 0, 0.0, 0.7, 2], [-0.1, 2.5, "0", True]),
+        "seed": pick([MISSING, None, 0, 123, 2**32 - 1], [-1, 2**32, 1.5, "3"]),
+        "stop": pick([MISSING, None, "e", ["\n"], ["re", "x"]], [[""], ["a"] * 5, 3]),
+        "n": pick([MISSING, 1], [2]),
+        "top_p": pick([MISSING, 1, 1.0], [0.5]),
+        "model": pick([MISSING, None, name], ["gpt-4"]),
+        "stream": pick([MISSING, False, True], ["yes"]),
+        "colour": pick([MISSING], ["red"]),
+    }
+    return {k: v for k, v in body.items() if v is not MISSING}, ok
+
+
+def test_fuzzed_bodies_get_4xx_and_good_ones_their_text(server, reference):
+    """Random bodies (valid and invalid values of every field) while greedy requests run: no 5xx, every invalid
+    body a 4xx at once, every valid greedy one the text it gets alone, every valid sampled one a 200."""
+    hypothesis = pytest.importorskip("hypothesis")
+    globals()["hypothesis"] = hypothesis
+    model, alone = reference
+    url = server["url"]
+    background_prompt = "import json\n\nclass Config:\n"
+    want_background = alone(model.tokenizer.encode(background_prompt), MAX_NEW)[0]
+    stop_background = threading.Event()
+    background = []
+
+    def keep_running():
+        while not stop_background.is_set():
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": background_prompt, "max_tokens": MAX_NEW, "temperature": 0})
+            background.append((r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
+
+    counts = {"valid": 0, "invalid": 0}
+
+    @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(hypothesis.strategies.data())
+    def check(data):
+        body, ok = _fuzz_body(data.draw, model.config.name)
+        if isinstance(body.get("prompt"), tuple):
+            body["prompt"] = model.tokenizer.encode(body["prompt"][1])
+        counts["valid" if ok else "invalid"] += 1
+        if body.get("stream") is True:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                status = r.status_code
+                lines = [json.loads(x[5:]) for x in r.iter_lines() if x.startswith("data:") and x != "data: [DONE]"]
+                text = "".join(e["choices"][0]["text"] for e in lines if "choices" in e) if status == 200 else None
+        else:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            status, text = r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else None
+        if not ok:
+            assert 400 <= status < 500, (body, status)
+            return
+        assert status == 200, (body, status)
+        if body.get("temperature") in (0, 0.0) and not isinstance(body.get("temperature"), bool):
+            prompt = body["prompt"]
+            ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else \
+                model.tokenizer.encode(prompt[0] if isinstance(prompt, list) else prompt)
+            max_tokens = body.get("max_tokens") or 16
+            full = alone(ids, max_tokens)[0]
+            stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+            cut = min([full.index(s) for s in stops if s in full], default=len(full))
+            assert text == full[:cut], body
+
+    runner = threading.Thread(target=keep_running)
+    runner.start()
+    try:
+        check()
+    finally:
+        stop_background.set()
+        runner.join()
+    assert counts["valid"] >= 50 and counts["invalid"] >= 50, counts
+    assert background and all(b == (200, want_background) for b in background), background[:3]
+    print(f"fuzzed {sum(counts.values())} bodies: {counts}; {len(background)} background requests unharmed")
 
 
 def test_sigterm_drains_running_requests_and_exits_0(server, reference):

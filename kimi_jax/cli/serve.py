@@ -1,12 +1,15 @@
 """`python -m kimi_jax.serve`: an OpenAI-compatible HTTP server with continuous batching over the engine.
 
 With no arguments it serves the embedded default (checkpoints/target + checkpoints/drafter, DDTree with the
-auto budget) on 127.0.0.1:8000. Every program is compiled before the port opens; SIGTERM or Ctrl-C lets the
-running requests finish, then exits 0.
+auto budget) on 127.0.0.1:8000. Every program is compiled before the port opens. SIGTERM or Ctrl-C closes the
+port and lets running and queued requests finish for up to --shutdown-grace seconds; what is left then ends with
+a 503 error (an error event in a stream), and the server exits: 0 after SIGTERM, 130 after Ctrl-C.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 
@@ -28,7 +31,11 @@ def _parse(argv):
     p.add_argument("--rounds-per-dispatch", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests beyond which the server says 429")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM/Ctrl-C (default 30)")
     args = p.parse_args(argv)
+    if not 0 <= args.shutdown_grace < float("inf"):
+        p.error("--shutdown-grace must be a number of seconds >= 0")
     args.budget = parse_budget(p, args.budget)
     for name in ("max_batch", "max_new_tokens", "rounds_per_dispatch", "queue_size"):
         if getattr(args, name) < 1:
@@ -39,12 +46,13 @@ def _parse(argv):
 def run(argv=None) -> int:
     args = _parse(argv)
     persistent_compile_cache()
-    import uvicorn
-
     import kimi_jax
     from kimi_jax.serving.batcher import Batcher
-    from kimi_jax.serving.server import create_app
+    from kimi_jax.serving.server import create_app, serve
 
+    handler = logging.StreamHandler(sys.stderr)      # request failures: one line + the traceback, by request id
+    handler.setFormatter(logging.Formatter("kimi_jax.serve: %(levelname)s: %(message)s"))
+    logging.getLogger("kimi_jax.serve").addHandler(handler)
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
@@ -52,15 +60,17 @@ def run(argv=None) -> int:
     batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
     batcher.start()
     app = create_app(batcher, model.config.name)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=None))
     print(f"kimi_jax.serve: {batcher.method} with {args.max_batch} slots on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one return, so the drain
-    # ends in status 0 (Ctrl-C still ends in 130 through cli.exits once the open requests have finished).
+    # ends in status 0 (Ctrl-C ends in 130 through cli.exits once the drain is over).
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
-    batcher.stop()
+    serve(app, args.host, args.port, args.shutdown_grace)
+    if not batcher.stop(timeout=5.0):
+        # every response went out, but the device thread is still inside a dispatch: do not wait for it
+        print("kimi_jax.serve: the device was still busy at exit; not waiting for it", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

@@ -15,12 +15,20 @@ waits until that batch drains (greedy requests batch with each other, sampling r
 temperature batch with each other); ``seed`` is honoured only by a sampling request that starts a batch.
 Every program (the batch's rounds, the prefill of each prompt-length bucket, join, retire) is compiled by
 ``warm()`` before the server listens.
+
+Faults stay with the request that caused them. Everything one request does outside the batch's dispatch (its
+prefill, the new batch state it may start, its join, the delivery of its tokens) is built functionally and
+stored only once it all succeeded, so a failure there ends that request alone (``Failed``, logged with its
+traceback) and leaves the other rows' state as it was. A failure of the batch's dispatch ends the requests in
+the batch, drops the batch state and keeps serving; ``health`` says degraded until a dispatch succeeds again.
+A request taken off the queue is always finished: with its tokens, cancelled, or ``Failed``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable
@@ -34,8 +42,23 @@ from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
 
 
+log = logging.getLogger("kimi_jax.serve")
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound; the HTTP layer answers 429."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and takes no new requests; the HTTP layer answers 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The finish reason of a request that ended in an error; ``message`` is what its client is told (the
+    traceback goes to the log under the request's id)."""
+    message: str
+    status: int = 500             # 500: a fault of ours; 503: the server shut down before the request ended
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,7 +70,8 @@ class Job:
     temperature: float
     seed: int
     emit: Callable[[list[int]], None]
-    finish: Callable[[str], None]
+    finish: Callable[[str | Failed], None]    # "stop", "length", "cancelled" or Failed
+    id: str = ""                              # the HTTP response's id, named in the log
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     sent: int = 0
@@ -102,6 +126,8 @@ class Batcher:
         self._stop = False
         self._state = self._group = None
         self._costs = {}
+        self._deadline = None          # set by drain(): when the requests still running are ended
+        self.degraded = None           # the last dispatch failure's message, until a dispatch succeeds
         self._thread = threading.Thread(target=self._loop, name="kimi_jax-batcher", daemon=True)
 
     # ---- the HTTP side ----------------------------------------------------------------------------------------
@@ -117,6 +143,8 @@ class Batcher:
 
     def submit(self, req: Job) -> None:
         with self._wake:
+            if self._deadline is not None:
+                raise Draining("the server is shutting down; retry on another server or later")
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue's bound); retry later")
             self._waiting.append(req)
@@ -127,18 +155,32 @@ class Batcher:
         return len(self._waiting)
 
     @property
+    def draining(self) -> bool:
+        return self._deadline is not None
+
+    @property
     def active(self) -> int:
         return sum(r is not None for r in self._slots)
 
     def start(self):
         self._thread.start()
 
-    def stop(self):
-        """Finish what is running and waiting, then end the device thread."""
+    def drain(self, grace: float) -> None:
+        """Take no new requests; let the running and waiting ones finish for ``grace`` seconds, then end them
+        with ``Failed(..., 503)``. Safe to call from any thread (a signal handler, the event loop)."""
+        with self._wake:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + grace
+            self._wake.notify()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the device thread once nothing runs or waits (after ``drain``'s deadline at the latest);
+        False if it is still inside a dispatch after ``timeout`` seconds."""
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
@@ -196,20 +238,39 @@ class Batcher:
         while True:
             with self._wake:
                 while not self._stop and not self._waiting and not self.active:
-                    self._wake.wait()
+                    self._wake.wait(None if self._deadline is None else 0.1)
                 if self._stop and not self._waiting and not self.active:
                     return
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._end_everything(Failed("the server shut down before this request finished", 503))
+                continue
             try:
                 self._admit()
                 self._deliver()
                 if self.active:
                     self._run_rounds()
-            except Exception as e:          # a device failure ends every running request, loudly
-                for i, r in enumerate(self._slots):
-                    if r is not None:
-                        r.finish(f"error: {type(e).__name__}: {e}")
-                        self._slots[i] = None
-                self._state = None
+                    self.degraded = None
+            except Exception as e:          # the batch's own work failed: end its requests, keep serving
+                log.exception("dispatch failed; ending the %d requests in the batch", self.active)
+                self.degraded = f"{type(e).__name__}: {e}"
+                self._end_everything(Failed(f"internal error in the batch this request ran in ({type(e).__name__})"),
+                                     waiting=False)
+
+    def _end_everything(self, failure: Failed, waiting: bool = True):
+        """Finish every running (and, with ``waiting``, every queued) request with ``failure``; drop the batch."""
+        with self._wake:
+            ended = [r for r in self._slots if r is not None] + (list(self._waiting) if waiting else [])
+            if waiting:
+                self._waiting.clear()
+        self._slots = [None] * self.max_batch
+        self._state = None
+        for req in ended:
+            _finish(req, failure)
+
+    def _fail(self, req: Job, step: str, e: Exception):
+        log.error("request %s failed while %s", req.id or "?", step, exc_info=e)
+        _finish(req, Failed(f"internal error while {step} this request ({type(e).__name__}); the server logged it "
+                            f"under id {req.id or '?'}"))
 
     def _admit(self):
         while True:
@@ -220,19 +281,28 @@ class Batcher:
                 req = self._waiting[0]
                 if req.cancelled.is_set():
                     self._waiting.popleft()
-                    req.finish("cancelled")
+                    _finish(req, "cancelled")
                     continue
                 if self.active and req.group != self._group:
                     return                 # waits until the running batch drains (see the module docstring)
                 self._waiting.popleft()
-            sample, temperature = req.group
-            if not self.active and (self._state is None or sample or req.group != self._group):
-                # a new batch: the temperature and the key are the batch's (greedy batches are reused)
-                self._group = req.group
-                self._state = self._blank(sample, max(temperature, 1e-6), req.seed)
-            row = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
-            self._state = engine.join(self._state, row, np.int32(free[0]))
-            self._slots[free[0]] = req
+            try:
+                self._state, self._group = self._joined(req, free[0])
+                self._slots[free[0]] = req
+            except Exception as e:         # this request alone: the batch state was not replaced
+                self._fail(req, "prefilling", e)
+                if _consumed(self._state):
+                    raise                  # join had taken the batch's buffers (donated): the batch is lost
+
+    def _joined(self, req: Job, slot: int):
+        """-> (the batch state with ``req`` prefilled into ``slot``, the batch's group); stores nothing."""
+        sample, temperature = req.group
+        state, group = self._state, self._group
+        if not self.active and (state is None or sample or req.group != group):
+            # a new batch: the temperature and the key are the batch's (greedy batches are reused)
+            state, group = self._blank(sample, max(temperature, 1e-6), req.seed), req.group
+        row = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
+        return engine.join(state, row, np.int32(slot)), group
 
     def _deliver(self):
         if self._state is None:
@@ -242,17 +312,27 @@ class Batcher:
         for i, req in enumerate(self._slots):
             if req is None:
                 continue
-            new = out[i, req.sent:min(n_out[i], req.max_tokens)].tolist()
-            if new:
-                req.sent += len(new)
-                req.emit(new)
-            eos = bool(set(new) & set(self.model.config.eos_token_ids))
-            if req.cancelled.is_set() or eos or done[i] or req.sent >= req.max_tokens:
-                req.finish("cancelled" if req.cancelled.is_set() else "stop" if eos else "length")
-                self._slots[i] = None
+            try:
+                new = out[i, req.sent:min(n_out[i], req.max_tokens)].tolist()
+                if new:
+                    req.sent += len(new)
+                    req.emit(new)
+                eos = bool(set(new) & set(self.model.config.eos_token_ids))
+                if req.cancelled.is_set() or eos or done[i] or req.sent >= req.max_tokens:
+                    _finish(req, "cancelled" if req.cancelled.is_set() else "stop" if eos else "length")
+                    leaving[i] = True
+            except Exception as e:         # its client side is broken: this row leaves, the others go on
+                self._fail(req, "delivering tokens to", e)
                 leaving[i] = True
+            if leaving[i]:
+                self._slots[i] = None
         if leaving.any():
-            self._state = engine.retire(self._state, leaving)
+            try:
+                self._state = engine.retire(self._state, leaving)
+            except Exception:   # the leavers are answered; their rows run on unseen until a join overwrites them
+                if _consumed(self._state):
+                    raise               # retire had taken the batch's buffers (donated): the batch is lost
+                log.exception("retiring %d finished rows failed", int(leaving.sum()))
 
     def _run_rounds(self):
         before = int(self._state.rounds)
@@ -264,3 +344,17 @@ class Batcher:
         self.stats.row_rounds += rounds * running
         self.stats.tokens += int((jax.device_get(self._state.n_out) - emitted).sum())
         self.stats.dispatches += 1
+
+
+def _consumed(state) -> bool:
+    """Whether a failed call had already taken ``state``'s buffers (join and retire donate them)."""
+    return state is not None and any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def _finish(req: Job, reason) -> None:
+    """Tell a request how it ended; a client side that cannot be told any more (its event loop closed) is only
+    logged, so that one broken client cannot stop the loop from telling the others."""
+    try:
+        req.finish(reason)
+    except Exception:
+        log.exception("could not deliver the end of request %s", req.id or "?")

@@ -1,12 +1,19 @@
 """The OpenAI-compatible HTTP layer (FastAPI + pydantic; uvicorn serves it) over one ``Batcher``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
-events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Per request: ``max_tokens``,
-``temperature`` (OpenAI's default 1.0; 0 is greedy), ``seed``, ``stop`` (strings), ``stream``,
-``stream_options.include_usage``; the extension fields ``method`` and ``budget`` must name what the server was
-started with (one compiled program serves a batch). Unsupported OpenAI features (``n`` > 1, ``top_p`` < 1,
-``logprobs``, ``echo``, tools) are refused, never ignored. Every bad request is a 400 with OpenAI's error body;
-a full queue is a 429.
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Per request: ``max_tokens``
+(``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 is greedy), ``seed``, ``stop`` (strings),
+``stream``, ``stream_options.include_usage``; the extension fields ``method`` and ``budget`` must name what the
+server was started with (one compiled program serves a batch).
+
+Every field is checked before the request is queued (pydantic in strict mode, then ``kimi_jax.fields`` for the
+ranges the engine accepts, then the server's limits), so nothing a request says can fail inside the batch.
+OpenAI fields this server does not implement are accepted only at the value that asks for nothing
+(``NOT_IMPLEMENTED``), fields OpenAI does not define are refused: never silently ignored. Errors use OpenAI's
+body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 404 for an unknown model or
+URL, 405 for a wrong method, 429 for a full queue, 503 while shutting down, 500 (with the request id the log
+names) when a request fails inside the server; a stream that fails after its first event ends with one
+``data: {"error": ...}`` event instead.
 
 Text is decoded incrementally (whole UTF-8 characters only); a stop string ends the request and is not
 returned, and text that could still become a stop string is held back until it cannot. Token counts in
@@ -17,36 +24,51 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.serving.batcher import Batcher, Job, QueueFull
+from kimi_jax import fields
+from kimi_jax.fields import GenerationError
+from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
 from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
+
+# OpenAI request fields this server does not implement, with the values that ask for nothing (besides null):
+# any other value is a 400 that names the field. Fields that only identify the caller are accepted as they are.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
+    "service_tier": ("auto", "default"), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (),
+}
+IDENTIFYING = ("user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")          # OpenAI clients send fields we do not use; see _refuse
+    model_config = ConfigDict(extra="allow", strict=True)    # extras are checked against NOT_IMPLEMENTED
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)     # null: OpenAI's default, 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     method: Literal["ar", "dflash", "ddtree"] | None = None
     budget: int | Literal["auto"] | None = None
@@ -54,27 +76,36 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
-    echo: bool = False
-    logprobs: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    tools: list[dict[str, Any]] | None = None
 
 
 class BadRequest(ValueError):
-    pass
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+def _error(status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
+           headers: dict | None = None):
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
 
 
 class Metrics:
@@ -95,10 +126,16 @@ class Metrics:
             lambda: batcher.stats.mean_tau)
 
 
+class RequestFailed(Exception):
+    def __init__(self, failed: Failed):
+        super().__init__(failed.message)
+        self.failed = failed
+
+
 class _Generation:
     """One request's path from the batcher thread to the client: tokens in, text out, stop strings, usage."""
 
-    def __init__(self, app_state, ids: list[int], body: _Common, max_tokens: int):
+    def __init__(self, app_state, rid: str, ids: list[int], body: _Common, max_tokens: int):
         self.tok = app_state.tokenizer
         self.metrics: Metrics = app_state.metrics
         self.loop = asyncio.get_running_loop()
@@ -109,8 +146,14 @@ class _Generation:
         self.prompt_tokens = len(ids)
         self.eos = set(app_state.batcher.model.config.eos_token_ids)
         hop = lambda kind: lambda x: self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, x))  # noqa: E731
-        self.job = Job(ids, max_tokens, body.temperature, body.seed or 0, emit=hop("tokens"), finish=hop("finish"))
+        self.job = Job(ids, max_tokens, body.temperature, body.seed or 0, emit=hop("tokens"), finish=hop("finish"),
+                       id=rid)
         self.t_last = None
+
+    def fail(self, failed: Failed) -> None:
+        """End this request from the HTTP side (shutdown's deadline), whatever the batcher is doing."""
+        self.job.cancel()
+        self.queue.put_nowait(("finish", failed))
 
     def _accept(self, ids: list[int]) -> None:
         now = time.perf_counter()
@@ -143,7 +186,8 @@ class _Generation:
         return delta
 
     async def deltas(self):
-        """(text delta, finish_reason or None) as the batcher delivers; the last one has the reason."""
+        """(text delta, finish_reason or None) as the batcher delivers; the last one has the reason. A request
+        that failed raises RequestFailed (after a stop string or eos it had already ended well)."""
         while True:
             kind, x = await self.queue.get()
             if kind == "tokens":
@@ -153,9 +197,11 @@ class _Generation:
                     if delta:
                         yield delta, None
                 continue
+            if isinstance(x, Failed) and self.finish_reason is None:
+                raise RequestFailed(x)
             if self.finish_reason is None:
                 self.text += self.decoder.flush()
-                self.finish_reason = "length" if x == "length" else "stop" if x in ("stop", "cancelled") else x
+                self.finish_reason = "length" if x == "length" else "stop"
             self.metrics.completion_tokens.inc(self.tokens)
             yield self._ready_text(final=True), self.finish_reason
             return
@@ -170,6 +216,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
     app.state.batcher = batcher
     app.state.tokenizer = batcher.model.tokenizer
     app.state.metrics = metrics = Metrics(batcher)
+    app.state.open = open_requests = set()         # _Generations not yet answered in full (shutdown ends them)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -177,12 +224,30 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         metrics.requests.labels(request.url.path, "400").inc()
         if first.get("type") == "json_invalid":
             return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})")
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        loc = [str(x) for x in first.get("loc", ())[1:] if not str(x).startswith(("function-", "list[", "str", "int"))]
+        where = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            return _error(400, f"{where}: unknown field", param=where)
         return _error(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", param=where)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        metrics.requests.labels("other", str(exc.status_code)).inc()
+        if exc.status_code == 404:
+            return _error(404, f"unknown URL: {request.method} {request.url.path}", code="unknown_url")
+        if exc.status_code == 405:
+            return _error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
+                          headers=exc.headers)
+        return _error(exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "slots": batcher.max_batch, "active": batcher.active, "waiting": batcher.queue_depth}
+        state = {"slots": batcher.max_batch, "active": batcher.active, "waiting": batcher.queue_depth}
+        if batcher.draining:
+            return JSONResponse({"status": "draining", **state}, 503)
+        if batcher.degraded:
+            return JSONResponse({"status": "degraded", "error": batcher.degraded, **state}, 503)
+        return {"status": "ok", **state}
 
     @app.get("/v1/models")
     async def models():
@@ -193,40 +258,60 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    def _refuse(body: _Common):
+    def _check(body: _Common):
         if body.model not in (None, model_name):
-            raise BadRequest(f"model {body.model!r} is not served here; GET /v1/models lists {model_name!r}")
-        if body.n != 1:
-            raise BadRequest("n > 1 is not supported")
-        if body.top_p != 1.0:
-            raise BadRequest("top_p < 1 is not supported (the lossless acceptance samples the full distribution)")
+            raise BadRequest(f"model {body.model!r} does not exist here; GET /v1/models lists {model_name!r}",
+                             404, "model_not_found", "model")
+        for name, value in (body.model_extra or {}).items():
+            if name in IDENTIFYING:
+                continue
+            if name not in NOT_IMPLEMENTED:
+                raise BadRequest(f"{name}: unknown field", param=name)
+            if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool)
+                                             for v in NOT_IMPLEMENTED[name]):
+                neutral = " or ".join(json.dumps(v) for v in NOT_IMPLEMENTED[name]) or "null"
+                raise BadRequest(f"{name} is not supported by this server (only {neutral})", param=name)
+        if body.temperature is None:
+            body.temperature = 1.0
+        try:
+            fields.check(temperature=body.temperature, seed=body.seed)
+        except GenerationError as e:
+            raise BadRequest(str(e), param=str(e).split()[0]) from None
         if body.method not in (None, batcher.method):
             raise BadRequest(f"method {body.method!r} is not served by this server (it runs {batcher.method!r}; "
-                             "start it with --method)")
+                             "start it with --method)", param="method")
         if body.budget not in (None, batcher.budget if batcher.budget is not None else "auto"):
             raise BadRequest(f"budget {body.budget!r} is not served by this server (it runs "
-                             f"{batcher.budget or 'auto'!r}; start it with --budget)")
+                             f"{batcher.budget or 'auto'!r}; start it with --budget)", param="budget")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > 4 or any(not s for s in stops):
-            raise BadRequest("stop takes up to 4 non-empty strings")
+            raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
 
-    async def _run(request: Request, body: _Common, ids: list[int], endpoint: str, shape):
+    async def _run(body: _Common, ids: list[int], endpoint: str, shape):
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         batcher.check(ids, max_tokens)
-        gen = _Generation(app.state, ids, body, max_tokens)
+        rid = f"{shape['prefix']}-{uuid.uuid4().hex[:24]}"
+        gen = _Generation(app.state, rid, ids, body, max_tokens)
         batcher.submit(gen.job)
+        open_requests.add(gen)
         metrics.prompt_tokens.inc(len(ids))
-        rid, created = f"{shape['prefix']}-{uuid.uuid4().hex[:24]}", int(time.time())
-        head = {"id": rid, "created": created, "model": model_name}
+        head = {"id": rid, "created": int(time.time()), "model": model_name}
         if not body.stream:
             text, reason = "", None
-            async for delta, reason in gen.deltas():
-                text += delta
+            try:
+                async for delta, reason in gen.deltas():
+                    text += delta
+            except RequestFailed as e:
+                return _failure(e.failed, rid, endpoint)
+            finally:
+                open_requests.discard(gen)
+                gen.job.cancel()         # a client that left (or a failure) frees its slot at the next dispatch
             metrics.requests.labels(endpoint, "200").inc()
             return {**head, "object": shape["object"], "choices": [shape["choice"](text, reason)],
                     "usage": gen.usage()}
 
         async def events():
+            status = "499"                      # unless it ends below: the client went away
             try:
                 if "first" in shape:
                     yield _sse({**head, "object": shape["chunk"], "choices": [shape["first"]]})
@@ -236,21 +321,36 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                 if body.stream_options and body.stream_options.include_usage:
                     yield _sse({**head, "object": shape["chunk"], "choices": [], "usage": gen.usage()})
                 yield "data: [DONE]\n\n"
-                metrics.requests.labels(endpoint, "200").inc()
+                status = "200"
+            except RequestFailed as e:
+                status = str(e.failed.status)
+                yield _sse(_failure_body(e.failed, rid))
             finally:
+                open_requests.discard(gen)
                 gen.job.cancel()        # a client that left frees its slot at the next dispatch
+                metrics.requests.labels(endpoint, status).inc()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-request-id": rid})
 
-    async def _guarded(request: Request, endpoint: str, work):
+    def _failure(failed: Failed, rid: str, endpoint: str):
+        metrics.requests.labels(endpoint, str(failed.status)).inc()
+        return JSONResponse(_failure_body(failed, rid), failed.status, headers={"x-request-id": rid})
+
+    async def _guarded(endpoint: str, work):
         try:
             return await work()
-        except (BadRequest, GenerationError, NoChatTemplateError) as e:
+        except BadRequest as e:
+            metrics.requests.labels(endpoint, str(e.status)).inc()
+            return _error(e.status, str(e), param=e.param, code=e.code)
+        except (GenerationError, NoChatTemplateError) as e:
             metrics.requests.labels(endpoint, "400").inc()
             return _error(400, str(e))
         except QueueFull as e:
             metrics.requests.labels(endpoint, "429").inc()
             return _error(429, str(e), kind="rate_limit_error")
+        except Draining as e:
+            metrics.requests.labels(endpoint, "503").inc()
+            return _error(503, str(e), code="shutting_down")
 
     completion_shape = {
         "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
@@ -265,42 +365,87 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                                        "finish_reason": reason}}
 
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
+    async def completions(body: CompletionRequest):
         async def work():
-            _refuse(body)
-            if body.echo or body.logprobs is not None:
-                raise BadRequest("echo and logprobs are not supported")
+            _check(body)
             prompt = body.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 if len(prompt) != 1:
-                    raise BadRequest("one prompt per request (send several requests: they are batched)")
+                    raise BadRequest("one prompt per request (send several requests: they are batched)",
+                                     param="prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
                 if app.state.tokenizer is None:
-                    raise BadRequest("this model has no tokenizer: send the prompt as token ids")
+                    raise BadRequest("this model has no tokenizer: send the prompt as token ids", param="prompt")
                 ids = app.state.tokenizer.encode(prompt)
             else:
                 ids = list(prompt)
             if not ids:
-                raise BadRequest("empty prompt")
-            return await _run(request, body, ids, "/v1/completions", completion_shape)
-        return await _guarded(request, "/v1/completions", work)
+                raise BadRequest("empty prompt", param="prompt")
+            return await _run(body, ids, "/v1/completions", completion_shape)
+        return await _guarded("/v1/completions", work)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatRequest):
+    async def chat(body: ChatRequest):
         async def work():
-            _refuse(body)
-            if body.logprobs or body.tools:
-                raise BadRequest("logprobs and tools are not supported")
+            _check(body)
             if app.state.tokenizer is None:
                 raise BadRequest("this model has no tokenizer, so no chat format")
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             ids = app.state.tokenizer.encode_chat(messages, add_generation_prompt=True)
-            return await _run(request, body, ids, "/v1/chat/completions", chat_shape)
-        return await _guarded(request, "/v1/chat/completions", work)
+            return await _run(body, ids, "/v1/chat/completions", chat_shape)
+        return await _guarded("/v1/chat/completions", work)
 
+    def end_open_requests():
+        for gen in list(open_requests):
+            gen.fail(Failed("the server shut down before this request finished", 503))
+    app.state.end_open_requests = end_open_requests
     return app
+
+
+def _failure_body(failed: Failed, rid: str) -> dict:
+    code = "shutting_down" if failed.status == 503 else "internal_error"
+    return {"error": {"message": f"{failed.message} (request {rid})", "type": "server_error", "param": None,
+                      "code": code}}
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, whose exit (SIGTERM, SIGINT, or ``shutdown``) also starts the bounded drain: the batcher's
+    deadline, and the HTTP side's own a moment later, which answers every open request even if the device
+    thread is stuck inside a dispatch."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace: float):
+        # uvicorn's deadline only backs ours up: it cancels responses still open a few seconds after ours.
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        timeout_graceful_shutdown=grace + 5))
+        self.app, self.grace, self.loop = app, grace, None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        batcher: Batcher = self.app.state.batcher
+        if not batcher.draining:
+            batcher.drain(self.grace)
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.loop.call_later, self.grace + 0.5,
+                                               self.app.state.end_open_requests)
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, host: str, port: int, grace: float) -> None:
+    """Serve until SIGTERM/SIGINT (or ``shutdown(app)``); then the listening socket closes, running and queued
+    requests get ``grace`` seconds to finish, and whatever is left ends with a 503 error (an error event in a
+    stream). Returns once every response is sent."""
+    app.state.server = _Server(app, host, port, grace)
+    app.state.server.run()
+
+
+def shutdown(app: FastAPI) -> None:
+    """What SIGTERM does, for a server run in a thread (tests, embedding): start the bounded drain."""
+    app.state.server.handle_exit(signal.SIGTERM, None)
