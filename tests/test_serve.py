@@ -18,7 +18,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, default_sigint
 
 import kimi_jax
 
@@ -340,3 +340,38 @@ def test_queue_bound_answers_full(reference):
     with pytest.raises(QueueFull, match="3 requests are waiting"):
         b.submit(Job([1, 2], 4, 0.0, 0, emit=noop, finish=noop))
     assert b.queue_depth == 3 and np.all([r is None for r in b._slots])
+
+
+def test_sigint_drains_and_exits_130_without_tracebacks(reference):
+    """Ctrl-C: the request in flight completes, then status 130 and one line; no traceback per request."""
+    model, alone = reference
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--drafter", "none",
+                             "--max-batch", "2", "--max-new-tokens", str(MAX_NEW), "--max-len", "128"], cwd=ROOT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        prompt = "while True:\n"
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data:")]
+        events = [json.loads(x[5:]) for x in [first] + rest if x != "data: [DONE]"]
+        assert "".join(e["choices"][0]["text"] for e in events) == alone(model.tokenizer.encode(prompt), MAX_NEW)[0]
+        assert proc.wait(timeout=60) == 130
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "CancelledError" not in err, err
+        assert err.strip().splitlines()[-1] == "kimi_jax.serve: interrupted", err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
