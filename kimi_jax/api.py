@@ -8,7 +8,8 @@
 ``generate`` compiles one program per (method, budget, batch, bucketed lengths) ahead of time and runs the
 whole generation in a single dispatch; ``stream`` runs a fixed number of rounds per dispatch and yields the
 tokens each chunk accepted. Under both, for code that drives the engine itself (benchmarks, the notebook's tree
-plot): ``prepare`` validates a request and lays it out (a ``Request``), ``prefill`` runs its first dispatch,
+plot, the server): ``prepare`` validates a request and lays it out (a ``Request``), ``resolve`` turns an auto
+request whose calibrated costs say trees lose into the plain AR request, ``prefill`` runs its first dispatch,
 ``program``/``program_args`` are the whole-generation program and its arguments, ``cost_table`` the auto
 policy's costs.
 """
@@ -46,6 +47,7 @@ class Request:
     max_new: int               # new tokens per row at most
     max_len: int               # cache slots per row (bucketed)
     pool_pages: int = 0        # page-pool pages of a paged cache; 0 for the contiguous cache
+    drafter_off: bool = False  # ``Model.resolve`` made an auto request the ar request (calibrated: trees lose)
 
     @property
     def layout(self) -> tuple[int, int]:
@@ -56,7 +58,7 @@ class Request:
 class Generation:
     tokens: list[list[int]]            # new tokens per batch row (stop token kept)
     text: list[str] | None             # decoded tokens when a tokenizer is loaded
-    stats: dict
+    stats: dict                        # see Model.generate
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -177,19 +179,38 @@ class Model:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree ({spec.nodes + 1}) = {need} "
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
-        t = min(bucket(longest), context)
-        max_len = min(bucket(need, 64), context)
         lens = np.asarray([len(r) for r in rows], np.int32)
-        page = self.runtime.page_size
-        pool = 0
-        if page:            # logical rows in whole pages; the pool holds only what each row can touch
-            max_len = -(-max_len // page) * page
-            pool = pool_size(engine.row_capacity(lens, max_new_tokens, spec), max_len, page)
+        max_len, pool = self._layout(spec, lens, max_new_tokens)
         self._check_cache_fits(len(rows), max_len, pool)
-        padded = np.zeros((len(rows), t), np.int32)
+        padded = np.zeros((len(rows), min(bucket(longest), context)), np.int32)
         for i, r in enumerate(rows):
             padded[i, :len(r)] = r
         return Request(spec, padded, lens, max_new_tokens, max_len, pool)
+
+    def _layout(self, spec: engine.Spec, lens: np.ndarray, max_new: int) -> tuple[int, int]:
+        """(cache slots per row, page-pool pages or 0) for rows of these prompt lengths under ``spec``."""
+        need = int(lens.max()) + max_new + spec.nodes + 1
+        max_len = min(bucket(need, 64), self.config.max_position_embeddings)
+        page = self.runtime.page_size
+        if not page:
+            return max_len, 0
+        # Logical rows in whole pages; the pool holds only the pages each row can touch.
+        max_len = -(-max_len // page) * page
+        return max_len, pool_size(engine.row_capacity(lens, max_new, spec), max_len, page)
+
+    def resolve(self, request: Request) -> Request:
+        """The request as it should run. An auto ddtree request (``spec.widths``) whose calibrated cost table
+        (``cost_table``: this request's batch size and cache slots) says no tree width can pay
+        (``kimi_jax.decoding.costs.drafter_off``) becomes the request ``prepare`` makes for ``method="ar"``: the
+        AR program, with no drafter prefill, no feature taps and no per-round plan, and ``drafter_off`` set. Any
+        other request comes back as it is. The first call of a table's key calibrates it (``cost_table``)."""
+        from kimi_jax.decoding import costs
+        spec = request.spec
+        if not spec.widths or not costs.drafter_off(self.cost_table(request)):
+            return request
+        ar = self.spec("ar", None, 1.0 if spec.sample else 0.0)        # the same sampling, no drafter
+        max_len, pool = self._layout(ar, request.lens, request.max_new)
+        return dataclasses.replace(request, spec=ar, max_len=max_len, pool_pages=pool, drafter_off=True)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
         """A GenerationError naming the bytes if the latent cache (+ drafter features) cannot fit the device."""
@@ -275,8 +296,14 @@ class Model:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
 
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
-        width by expected tokens per second under costs calibrated on this backend (``cost_table``)."""
-        request = self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size)
+        width by expected tokens per second under costs calibrated on this backend (``cost_table``); where those
+        costs say no tree can pay, the call runs the plain AR program instead (``resolve``).
+
+        stats: new_tokens, rounds, tau_per_round and width_per_round (per row / per round), mean_tau, seconds and
+        tokens_per_s (the dispatches only), compile_s (the programs' compile, once per shape, not in seconds),
+        dispatches, and drafter: "on" (a drafter ran), "off (calibrated)" (an auto request ran as AR, see
+        ``resolve``) or "none" (method ar)."""
+        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         program, compile_s = self.program(request)
         costs = self._costs_arg(request)
         t0 = time.perf_counter()
@@ -285,17 +312,18 @@ class Model:
                                                               state.rounds))
         elapsed = time.perf_counter() - t0
         _check_finite(nan)
-        return self._result(out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1)
+        return self._result(request, out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1)
 
-    def _result(self, out, n_out, accepted, width, rounds, elapsed, compile_s, dispatches) -> Generation:
+    def _result(self, request, out, n_out, accepted, width, rounds, elapsed, compile_s, dispatches) -> Generation:
         tokens = [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
         taus = [a[a > 0].tolist() for a in accepted]
         all_taus = [t for row in taus for t in row]
         new = int(sum(map(len, tokens)))
+        drafter = "off (calibrated)" if request.drafter_off else "none" if request.spec.method == "ar" else "on"
         stats = dict(new_tokens=new, rounds=rounds, tau_per_round=taus, width_per_round=width[width >= 0].tolist(),
                      mean_tau=float(np.mean(all_taus)) if all_taus else 0.0, seconds=elapsed,
                      tokens_per_s=new / elapsed if elapsed > 0 else float("inf"), compile_s=compile_s,
-                     dispatches=dispatches)
+                     dispatches=dispatches, drafter=drafter)
         text = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
         return Generation(tokens, text, stats)
 
@@ -303,7 +331,7 @@ class Model:
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
-        request = self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size)
+        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         rows = len(request.lens)
         t0 = time.perf_counter()
         costs = self._costs_arg(request)
@@ -324,7 +352,8 @@ class Model:
             dispatches += 1
         _check_finite(nan)
         accepted, width, rounds = jax.device_get((state.accepted, state.width, state.rounds))
-        yield self._result(out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0, dispatches)
+        yield self._result(request, out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0,
+                           dispatches)
 
 
 def device_memory_bytes() -> int | None:

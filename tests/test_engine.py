@@ -8,7 +8,7 @@ import pytest
 import kimi_jax
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import preset
-from kimi_jax.decoding import ddtree, engine
+from kimi_jax.decoding import costs, ddtree, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import init_params
@@ -93,7 +93,9 @@ def full_sequences(prompts, tokens, width=64):
                                            pytest.param("ddtree", 1, marks=pytest.mark.slow),
                                            pytest.param("ddtree", 40, marks=pytest.mark.slow)])
 def test_random_drafter_is_lossless(model, ar_tokens, method, budget):
-    assert model.generate(PROMPTS, 24, method=method, budget=budget).tokens == ar_tokens
+    out = model.generate(PROMPTS, 24, method=method, budget=budget)
+    assert out.tokens == ar_tokens
+    assert out.stats["drafter"] == "on"
 
 
 @pytest.mark.parametrize("method,budget,wrong", [("dflash", None, ()), ("ddtree", 8, ()), ("ddtree", 12, (1,)),
@@ -212,9 +214,44 @@ def _tokens(state):
     return [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
 
 
+def test_drafter_off_rule():
+    """costs.drafter_off compares the best tree width's prior tokens/s with the AR step's, with HOPELESS_MARGIN
+    of slack for the tree."""
+    seconds = [1.0, 2.0, 4.0]                       # AR: 1 token/s; width 1: prior / 2 tokens/s (the best tree)
+    edge = 2.0 / costs.HOPELESS_MARGIN
+    for prior, off in ((2.5, False), (1.01 * edge, False), (0.99 * edge, True), (1.0, True)):
+        assert costs.drafter_off([seconds, [1.0, prior, prior]]) == off, prior
+
+
+def test_auto_runs_the_ar_program_where_trees_lose(model, ar_tokens, monkeypatch):
+    """Where the calibrated table says no tree can pay, generate and stream run the ar request's very program:
+    no drafter prefill or state, AR's tokens, and stats that say so. A table where trees can pay keeps the
+    request as it is."""
+    n = len(engine.AUTO_WIDTHS)
+    hopeless = np.stack([[1.0] + [100.0] * (n - 1), np.ones(n)])
+    monkeypatch.setattr(model, "cost_table", lambda request: hopeless)
+    ar = model.prepare(PROMPTS, 24, "ar")
+    resolved = model.resolve(model.prepare(PROMPTS, 24))
+    assert resolved.drafter_off and resolved.spec == ar.spec and resolved.layout == ar.layout
+    assert model.prefill(resolved)[0].drafter is None
+    ran, program = [], model.program
+    monkeypatch.setattr(model, "program", lambda request: (ran.append(request.spec), program(request))[1])
+    out = model.generate(PROMPTS, 24)
+    assert ran == [ar.spec] and out.tokens == ar_tokens
+    assert out.stats["drafter"] == "off (calibrated)" and set(out.stats["width_per_round"]) == {0}
+    assert model.generate(PROMPTS, 24, method="ar").stats["drafter"] == "none"
+    *chunks, final = model.stream(PROMPTS, 24)
+    assert final.stats["drafter"] == "off (calibrated)" and final.tokens == ar_tokens
+    assert [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))] == ar_tokens
+    hopeful = np.stack([[1.0] + [1.1] * (n - 1), np.asarray([1.0] + [2.0] * (n - 1))])
+    monkeypatch.setattr(model, "cost_table", lambda request: hopeful)
+    auto = model.prepare(PROMPTS, 24)
+    assert model.resolve(auto) is auto
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("oracle", [False, True])
-def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle):
+def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, monkeypatch, oracle):
     """Each width the policy can pick (forced), and the policy itself under opposite cost tables, emits AR's
     exact greedy tokens; the widths it reports are the ones the tables make it pick."""
     if oracle:
@@ -240,14 +277,16 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, oracle)
     state, _ = program(*model.program_args(request, costs=dear))
     assert _tokens(state) == ar_tokens
     assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
-    # Trees slightly dearer (a probe after 11 AR steps): a prior within HOPELESS_MARGIN keeps probing; one
-    # beyond it leaves the drafter off for the whole call (AR steps only, no probe).
+    # Trees slightly dearer (a probe after 11 AR steps): generate with a prior within HOPELESS_MARGIN keeps the
+    # drafter on and probes; with one beyond it, the call runs the AR program (no drafter, no probe).
     for prior, probes in ((0.95 * 1.1, True), (0.6 * 1.1, False)):
         table = np.stack([np.asarray([1.0] + [1.1] * (n - 1)), np.asarray([1.0] + [prior] * (n - 1))])
-        assert bool(engine.trees_hopeless(jnp.asarray(table))) != probes
-        state, _ = program(*model.program_args(request, costs=table.astype(np.float32)))
-        assert _tokens(state) == ar_tokens
-        assert bool((np.asarray(state.width)[:int(state.rounds)] > 0).any()) == probes, prior
+        assert costs.drafter_off(table) != probes
+        monkeypatch.setattr(model, "cost_table", lambda request, table=table: table)
+        out = model.generate(PROMPTS, 24)
+        assert out.tokens == ar_tokens
+        assert out.stats["drafter"] == ("on" if probes else "off (calibrated)")
+        assert any(out.stats["width_per_round"]) == probes, prior
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ Every method is the same round, written as five named steps:
   planned on the device from a calibrated cost table (kimi_jax.decoding.costs): either a plain AR step that skips the
   drafter (``plan``), or a tree built once at the largest width of which the best-first prefix with the most
   expected tokens per second is verified, picked with ``lax.switch`` over the compiled widths, so the choice
-  costs no dispatch.
+  costs no dispatch. Where the calibrated table says no tree width can pay (``costs.drafter_off``), the host
+  runs the ``ar`` program instead (``kimi_jax.api.Model.resolve``): no drafter at all for that call.
 
 The root is the previous round's bonus token: emitted already, not yet in the cache. Verify runs the target
 over [root] + nodes at positions P + depth with the ancestor-only mask, accept walks the tree along the target's
@@ -242,13 +243,6 @@ AUTO_WIDTHS = (0, 4, 8, 16, 32)
 # While AR steps win, the drafter runs again (a probe, so the outlook cannot go stale) once the AR steps since
 # the last draft took PROBE_RATIO times the cheapest tree round: probing costs at most ~1/PROBE_RATIO.
 PROBE_RATIO = 10.0
-# The auto policy leaves the drafter off for a whole call (no tree rounds, no probes, no feature taps: plain AR
-# steps) when even the calibrated prior outlook makes the best tree width this many times slower, in tokens per
-# second, than a (tapped) AR step. The margin is slack for a prior that undersells the text at hand: within it
-# the drafter stays on, and text that drafts better than the prior can still win with trees. It is not the tax
-# of staying on: a tapped AR step (feature taps + drafter feature commit) costs ~1.5x a plain one on the
-# embedded default, CPU (0.38 vs 0.26 ms), which a call within the margin pays while its AR steps win.
-HOPELESS_MARGIN = 1.2
 
 
 def expected_tokens(tree: ddtree.Tree, widths) -> jax.Array:
@@ -274,12 +268,6 @@ def plan(state: State, costs) -> jax.Array:
     rate = state.outlook / seconds
     probe = state.since_draft * seconds[0] >= PROBE_RATIO * seconds[1]
     return (jnp.argmax(rate) > 0) | probe
-
-
-def trees_hopeless(costs) -> jax.Array:
-    """Whether, by the cost table's prior, no tree width can come within HOPELESS_MARGIN of an AR step."""
-    rate = costs[1] / costs[0]                    # prior expected tokens per row per second; [0] is the AR step
-    return jnp.max(rate[1:]) * HOPELESS_MARGIN < rate[0]
 
 
 def _finish(params, drafter_params, spec: Spec, state: State, tree: ddtree.Tree, width,
@@ -339,27 +327,21 @@ def round_step(params, drafter_params, spec: Spec, state: State, costs=None, for
 def run_rounds(params, drafter_params, spec: Spec, state: State, max_rounds, costs=None, force=-1):
     """Rounds in a lax.while_loop until every row is done or max_rounds more rounds ran.
 
-    budget="auto" with a cost table that makes trees hopeless (``trees_hopeless``): the loop runs plain AR
-    rounds instead, decided once per call (the drafter's state is carried untouched)."""
+    Whether an auto request runs at all with its drafter is the host's decision (``kimi_jax.decoding.costs.
+    drafter_off``, applied by ``kimi_jax.api.Model.resolve``): a call whose calibrated table makes trees hopeless
+    runs the ``ar`` spec's program, so nothing here tests for it."""
     stop_at = state.rounds + max_rounds
 
-    def loop(spec, state):
-        def cond(carry):
-            s, _ = carry
-            return jnp.any(~s.done) & (s.rounds < stop_at)
+    def cond(carry):
+        s, _ = carry
+        return jnp.any(~s.done) & (s.rounds < stop_at)
 
-        def body(carry):
-            s, nan = carry
-            s, bad = round_step(params, drafter_params, spec, s, costs, force)
-            return s, nan | bad
+    def body(carry):
+        s, nan = carry
+        s, bad = round_step(params, drafter_params, spec, s, costs, force)
+        return s, nan | bad
 
-        return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
-
-    if not spec.widths:
-        return loop(spec, state)
-    plain = spec._replace(method="ar", nodes=0, widths=())        # no taps, no drafter features
-    return jax.lax.cond((force < 0) & trees_hopeless(costs), functools.partial(loop, plain),
-                        functools.partial(loop, spec), state)
+    return jax.lax.while_loop(cond, body, (state, jnp.bool_(False)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "max_new", "max_len", "pool_pages"))
