@@ -61,6 +61,11 @@ class Generation:
     stats: dict                        # see Model.generate
 
 
+def _blank_costs(spec: engine.Spec):
+    """A cost table of the right shape for compiling (its values are runtime inputs); None without widths."""
+    return np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
+
+
 def bucket(n: int, minimum: int = 16) -> int:
     """Round lengths up to a power of two so a handful of programs serve every prompt length."""
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
@@ -234,20 +239,44 @@ class Model:
         return (self.compute_params, self.drafter_params, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
+    def _compiled(self, key, lower):
+        """-> (the program ``lower()`` lowers, compiled once per key; the seconds lowering and compiling took)."""
+        if key not in self._programs:
+            t0 = time.perf_counter()
+            with sharding.mesh_context(self.mesh):
+                compiled = lower().compile()
+            self._programs[key] = (compiled, time.perf_counter() - t0)
+        return self._programs[key]
+
     def program(self, request: Request):
         """-> (the compiled whole-generation program for the request's shapes, seconds it took to compile);
         compiled once per (spec, prompt shape, max_new, cache layout). Call it on ``program_args``."""
-        key = (request.spec, request.prompt.shape, request.max_new, request.layout)
-        if key not in self._programs:
-            t0 = time.perf_counter()
-            costs = np.ones((2, len(request.spec.widths)), np.float32) if request.spec.widths else None
-            blank = dataclasses.replace(request, lens=np.ones_like(request.lens))
-            with sharding.mesh_context(self.mesh):
-                lowered = engine.generate_program.lower(*self.program_args(blank, costs=costs), spec=request.spec,
-                                                        max_new=request.max_new, max_len=request.max_len,
-                                                        pool_pages=request.pool_pages)
-            self._programs[key] = (lowered.compile(), time.perf_counter() - t0)
-        return self._programs[key]
+        spec = request.spec
+        blank = dataclasses.replace(request, lens=np.ones_like(request.lens))
+        return self._compiled(
+            ("generate", spec, request.prompt.shape, request.max_new, request.layout),
+            lambda: engine.generate_program.lower(*self.program_args(blank, costs=_blank_costs(spec)), spec=spec,
+                                                  max_new=request.max_new, max_len=request.max_len,
+                                                  pool_pages=request.pool_pages))
+
+    def _prefill_program(self, request: Request):
+        """-> (engine.prefill_program compiled for the request's shapes, seconds it took to compile)."""
+        spec = request.spec
+        return self._compiled(
+            ("prefill", spec, request.prompt.shape, request.max_new, request.layout),
+            lambda: engine.prefill_program.lower(*self.inputs(request.prompt, request.lens), _blank_costs(spec),
+                                                 spec=spec, max_new=request.max_new, max_len=request.max_len,
+                                                 pool_pages=request.pool_pages))
+
+    def _chunk_program(self, request: Request, rounds: int):
+        """-> (engine.chunk_program of ``rounds`` rounds, compiled for the state the request's prefill makes,
+        seconds it took to compile)."""
+        spec = request.spec
+        state, _ = self._prefill_program(request)[0].out_info        # shapes and shardings of the state
+        return self._compiled(
+            ("chunk", spec, request.prompt.shape[0], request.max_new, request.layout, rounds),
+            lambda: engine.chunk_program.lower(self.compute_params, self.drafter_params, state, _blank_costs(spec),
+                                               spec=spec, rounds=rounds))
 
     def program_args(self, request: Request, temperature: float = 0.0, seed: int = 0, costs=None, force: int = -1,
                      max_rounds: int | None = None) -> tuple:
@@ -259,10 +288,8 @@ class Model:
     def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
         """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
         engine.chunk_program."""
-        with sharding.mesh_context(self.mesh):
-            return engine.prefill_program(*self.inputs(request.prompt, request.lens, temperature, seed),
-                                          self._costs_arg(request), spec=request.spec, max_new=request.max_new,
-                                          max_len=request.max_len, pool_pages=request.pool_pages)
+        program, _ = self._prefill_program(request)
+        return program(*self.inputs(request.prompt, request.lens, temperature, seed), self._costs_arg(request))
 
     def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
@@ -330,30 +357,34 @@ class Model:
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
-        """Yield, per dispatch, the new tokens of every row; the last item is the full Generation."""
+        """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
+        ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
+        the caller's time between items)."""
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
-        rows = len(request.lens)
-        t0 = time.perf_counter()
         costs = self._costs_arg(request)
-        state, nan = self.prefill(request, temperature, seed)
+        prefill, prefill_s = self._prefill_program(request)
+        chunk_rounds, chunk_s = self._chunk_program(request, rounds_per_dispatch)
+        rows = len(request.lens)
+        busy, t0 = 0.0, time.perf_counter()
+        state, nan = prefill(*self.inputs(request.prompt, request.lens, temperature, seed), costs)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
             chunk = [out[i, seen[i]:n_out[i]].tolist() for i in range(rows)]
             seen = n_out.copy()
             if any(chunk):
+                busy += time.perf_counter() - t0
                 yield chunk
+                t0 = time.perf_counter()
             if done.all() or bool(nan):
                 break
-            with sharding.mesh_context(self.mesh):
-                state, bad = engine.chunk_program(self.compute_params, self.drafter_params, state, costs,
-                                                  spec=request.spec, rounds=rounds_per_dispatch)
+            state, bad = chunk_rounds(self.compute_params, self.drafter_params, state, costs)
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)
         accepted, width, rounds = jax.device_get((state.accepted, state.width, state.rounds))
-        yield self._result(request, out, n_out, accepted, width, int(rounds), time.perf_counter() - t0, 0.0,
-                           dispatches)
+        busy += time.perf_counter() - t0
+        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, prefill_s + chunk_s, dispatches)
 
 
 def device_memory_bytes() -> int | None:
