@@ -177,8 +177,12 @@ class Model:
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
+            if not spec.nodes:          # ar: no tree to make smaller
+                raise GenerationError(f"a prompt of {longest} tokens leaves no room for a new token in the context "
+                                      f"of {context}; shorten it")
+            smaller = "block_size" if spec.method == "dflash" else "the budget"
             raise GenerationError(f"a prompt of {longest} tokens leaves no room for one round of {spec.nodes + 1} "
-                                  f"tree tokens in the context of {context}; shorten it or lower the budget")
+                                  f"tree tokens in the context of {context}; shorten it or lower {smaller}")
         need = longest + max_new_tokens + spec.nodes + 1
         if need > context:
             raise GenerationError(

@@ -187,9 +187,11 @@ def test_bad_arguments(model, target):
         model.generate(PROMPTS, 4, method="ddtree", block_size=9)
     with pytest.raises(GenerationError, match="needs a drafter"):
         kimi_jax.Model(CFG, target).generate(PROMPTS, 4, method="dflash")
-    with pytest.raises(GenerationError, match="no room"):
-        kimi_jax.Model(CFG.replace(max_position_embeddings=16), target, drafter=model.drafter).generate(
-            [list(range(14))], 4, method="ddtree", budget=8)
+    short = kimi_jax.Model(CFG.replace(max_position_embeddings=16), target, drafter=model.drafter)
+    with pytest.raises(GenerationError, match="no room .* shorten it or lower the budget$"):
+        short.generate([list(range(14))], 4, method="ddtree", budget=8)
+    with pytest.raises(GenerationError, match="no room for a new token .* shorten it$"):     # ar has no budget
+        short.generate([list(range(15))], 4, method="ar")
     for bad, msg in [(dict(hidden_size=32, head_dim=8), "hidden_size 32"), (dict(vocab_size=300), "vocab_size 300")]:
         with pytest.raises(dflash.DrafterError, match=msg):
             DCFG.replace(**{**bad, "target_layer_ids": (0, 2)}).check_target(CFG)
