@@ -1,5 +1,5 @@
 """`python -m kimi_jax.decode`: the embedded default runs, and every bad input (damaged checkpoints included) is one
-line on stderr + exit != 0; Ctrl-C is one line + exit 130."""
+line on stderr + exit != 0; Ctrl-C is one line + exit 130, at once even mid-compile."""
 
 import json
 import os
@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from conftest import FIXTURES, default_sigint
 
 import kimi_jax
+from kimi_jax.cli.exits import run_command
 
 ROOT = FIXTURES.parent.parent
 TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
@@ -60,9 +62,20 @@ def test_missing_checkpoint():
 
 
 @pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["budget", ">= 0"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
-                                         (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"])])
+                                         (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"]),
+                                         (["--seed", "-1"], ["seed", "uint32", "got -1"]),
+                                         (["--seed", "4294967296"], ["seed", "[0, 4294967295]", "got 4294967296"])])
 def test_bad_flag_values(flags, words):
     one_line_error(decode(*flags), *words)
+
+
+@pytest.mark.parametrize("flags", [["--seed", "-1"]])
+def test_bad_input_fails_before_jax_loads(flags):
+    """A bad flag is reported without importing JAX (seconds on a cold start), or any model."""
+    script = f"import sys; from kimi_jax.cli.decode import main; print(main({flags!r}), 'jax' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.stdout.split() == ["1", "False"], res.stdout + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 @needs_default
@@ -211,6 +224,61 @@ def test_verify_flag_checksums_large_checkpoints(tmp_path, monkeypatch):
         checkpoint.check_manifest(str(copy), verify=True)
 
 
+def _wakeup_fd() -> int:
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+def test_ctrl_c_watch_is_undone_when_the_command_returns():
+    seen = []
+    handler = signal.getsignal(signal.SIGINT)
+    assert run_command("t", lambda: seen.append((_wakeup_fd(), signal.getsignal(signal.SIGINT)))) == 0
+    assert seen[0][0] != -1 and seen[0][1] is not handler
+    assert _wakeup_fd() == -1 and signal.getsignal(signal.SIGINT) is handler
+    deadline = time.monotonic() + 5
+    while any(t.name == "kimi_jax ctrl-c" for t in threading.enumerate()):     # it reads end-of-file and stops
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_ctrl_c_leaves_an_event_loops_wakeup_fd_alone():
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    try:
+        seen = []
+        run_command("t", lambda: seen.append(_wakeup_fd()))
+        assert seen == [write_end] and _wakeup_fd() == write_end
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_ctrl_c_defers_to_a_handler_installed_inside_the_command():
+    """A server (uvicorn under `python -m kimi_jax.serve`) installs its own SIGINT handler to drain its requests
+    first, then re-raises the signal to the handler it found: the drain runs, then one line and status 130."""
+    script = """
+import os, signal, time
+from kimi_jax.cli.exits import exit_with, run_command
+signal.signal(signal.SIGINT, signal.default_int_handler)   # a terminal's, not a background shell's SIG_IGN
+def serve():
+    drained = []
+    ours = signal.signal(signal.SIGINT, lambda *_: drained.append(True))
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)                          # long enough for the watching thread to read the signal
+    print("drained", drained, flush=True)
+    signal.signal(signal.SIGINT, ours)
+    signal.raise_signal(signal.SIGINT)       # ours now: the handler and the watching thread both see it
+    time.sleep(10)
+exit_with(run_command("t", serve))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 130 and res.stdout == "drained [True]\n", res
+    assert res.stderr == "t: interrupted\n", res.stderr
+
+
 @needs_default
 @pytest.mark.slow
 def test_sigint_during_decode_exits_130_with_one_line():
@@ -221,5 +289,29 @@ def test_sigint_during_decode_exits_130_with_one_line():
     t0 = time.perf_counter()
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and time.perf_counter() - t0 < 10
+    assert p.returncode == 130 and time.perf_counter() - t0 < 2
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "kimi_jax.decode: interrupted", err
+
+
+@needs_default
+@pytest.mark.slow
+def test_sigint_mid_compile_exits_at_once(tmp_path):
+    """An empty compile cache, so the generation program compiles (seconds, in C++, holding the main thread); XLA's
+    HLO dump marks the compile's start (before_optimizations) and end (after_optimizations)."""
+    dump = tmp_path / "xla"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={dump}",
+           "KIMI_JAX_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen([sys.executable, "-m", "kimi_jax.decode"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    deadline = time.monotonic() + 120
+    while not list(dump.glob("*generate_program.before_optimizations.txt")):
+        assert p.poll() is None and time.monotonic() < deadline, "the generation program never started compiling"
+        time.sleep(0.05)
+    time.sleep(0.5)                                      # well inside the compile
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    latency = time.perf_counter() - t0
+    assert p.returncode == 130 and latency < 2, (p.returncode, latency)
+    assert not list(dump.glob("*generate_program.cpu_after_optimizations.txt")), "the compile was over: no test"
+    assert out == "" and err == "kimi_jax.decode: interrupted\n", err
