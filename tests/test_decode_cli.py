@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import pytest
 from conftest import FIXTURES, default_sigint
 
 import kimi_jax
+from kimi_jax.cli.decode import _stats_line
 from kimi_jax.cli.exits import run_command
 
 ROOT = FIXTURES.parent.parent
@@ -69,13 +71,60 @@ def test_bad_flag_values(flags, words):
     one_line_error(decode(*flags), *words)
 
 
-@pytest.mark.parametrize("flags", [["--seed", "-1"]])
+def _prompt_file(kind, tmp_path):
+    if kind == "not UTF-8":
+        f = tmp_path / "latin1.py"
+        f.write_bytes('def f():\n    return "café"\n'.encode("latin-1"))
+        return str(f)
+    if kind == "a directory":
+        return str(tmp_path)
+    if kind == "missing":
+        return str(tmp_path / "missing.py")
+    if kind == "a socket":                                      # open() fails even for root: ENXIO
+        path = str(tmp_path / "prompt.sock")
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(path)                                    # the file stays after the socket closes
+        return path
+    f = tmp_path / "secret.py"                                 # unreadable
+    f.write_text("x = 1\n")
+    f.chmod(0)
+    return str(f)
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("not UTF-8", ["is not UTF-8 text (byte 0xe9 at offset 24)"]), ("a directory", ["is a directory"]),
+    ("missing", ["does not exist"]), ("a socket", ["cannot be read: No such device or address"]),
+    pytest.param("unreadable", ["cannot be read: Permission denied"],
+                 marks=pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file"))])
+def test_bad_prompt_file_is_one_line_naming_it(tmp_path, kind, words):
+    path = _prompt_file(kind, tmp_path)
+    one_line_error(decode("--prompt-file", path), f"prompt file {path!r}", *words)
+
+
+@pytest.mark.parametrize("flags", [["--seed", "-1"], ["--prompt-file", "/"]])
 def test_bad_input_fails_before_jax_loads(flags):
-    """A bad flag is reported without importing JAX (seconds on a cold start), or any model."""
+    """A bad flag or prompt file is reported without importing JAX (seconds on a cold start), or any model."""
     script = f"import sys; from kimi_jax.cli.decode import main; print(main({flags!r}), 'jax' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.stdout.split() == ["1", "False"], res.stdout + res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+STATS = {"new_tokens": 24, "tokens_per_s": 31.26, "mean_tau": 2.5, "rounds": 10, "width_per_round": [0, 8, 8, 16],
+         "dispatches": 1}
+
+
+@pytest.mark.parametrize("extra,line", [
+    ({}, "[24 new tokens, 31.3 tok/s, mean tau 2.50, 10 rounds, widths 0x1 8x2 16x1, 1 dispatches]"),
+    ({"compile_s": 3.21}, ("[24 new tokens, 31.3 tok/s, mean tau 2.50, 10 rounds, widths 0x1 8x2 16x1, "
+                           "1 dispatches, compiled in 3.2 s]")),
+    ({"compile_s": 0.0}, "[24 new tokens, 31.3 tok/s, mean tau 2.50, 10 rounds, widths 0x1 8x2 16x1, 1 dispatches]"),
+    ({"width_per_round": [], "drafter": "off (calibrated)", "compile_s": 12.04},
+     ("[24 new tokens, 31.3 tok/s, mean tau 2.50, 10 rounds, drafter off (calibrated), 1 dispatches, "
+      "compiled in 12.0 s]")),
+])
+def test_stats_line(extra, line):
+    assert _stats_line({**STATS, **extra}) == line
 
 
 @needs_default

@@ -13,6 +13,7 @@ import os
 import pathlib
 import sys
 
+from kimi_jax import fields
 from kimi_jax.cli.exits import exit_with, run_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -59,17 +60,25 @@ def _parse(argv):
                    help="checksum every weight file against the checkpoint's manifest (sizes are always checked)")
     args = p.parse_args(argv)
     args.budget = parse_budget(p, args.budget)
-    from kimi_jax import fields  # the API's own checks, before anything is loaded
+    # the API's own checks, before anything is loaded
     fields.check(max_new_tokens=args.max_new_tokens, method=args.method, budget=args.budget,
                  temperature=args.temperature, seed=args.seed)
     return args
 
 
 def _stats_line(stats) -> str:
+    """One line from Generation.stats; the optional keys (the drafter's state, a compile time) only when present."""
+    parts = [f"{stats['new_tokens']} new tokens", f"{stats['tokens_per_s']:.1f} tok/s",
+             f"mean tau {stats['mean_tau']:.2f}", f"{stats['rounds']} rounds"]
     widths = stats.get("width_per_round") or []
-    shown = "" if not widths else ", widths " + " ".join(f"{w}x{widths.count(w)}" for w in sorted(set(widths)))
-    return (f"[{stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s, mean tau "
-            f"{stats['mean_tau']:.2f}, {stats['rounds']} rounds{shown}, {stats['dispatches']} dispatches]")
+    if widths:
+        parts.append("widths " + " ".join(f"{w}x{widths.count(w)}" for w in sorted(set(widths))))
+    if stats.get("drafter"):
+        parts.append(f"drafter {stats['drafter']}")
+    parts.append(f"{stats['dispatches']} dispatches")
+    if stats.get("compile_s"):          # 0 or absent: nothing was compiled for this call, or it was not timed
+        parts.append(f"compiled in {stats['compile_s']:.1f} s")
+    return f"[{', '.join(parts)}]"
 
 
 def persistent_compile_cache():
@@ -90,23 +99,38 @@ def drafter_dir(args) -> str | None:
     return args.drafter
 
 
+def read_prompt(args) -> str:
+    """--prompt, --prompt-file's text, or the built-in prompt. A file that cannot be used is one line naming it and
+    what is wrong, before JAX or the model loads."""
+    if not args.prompt_file:
+        return DEFAULT_PROMPT if args.prompt is None else args.prompt
+    name = args.prompt_file
+    try:
+        data = pathlib.Path(name).read_bytes()
+    except FileNotFoundError:
+        raise fields.GenerationError(f"prompt file {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise fields.GenerationError(f"prompt file {name!r} is a directory") from None
+    except OSError as e:
+        raise fields.GenerationError(f"prompt file {name!r} cannot be read: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fields.GenerationError(f"prompt file {name!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                                     f"offset {e.start})") from None
+
+
 def run(argv=None) -> int:
     args = _parse(argv)
+    prompt = read_prompt(args)
     persistent_compile_cache()
     import kimi_jax
     from kimi_jax.text.tokenizer import StreamDecoder
 
     drafter = drafter_dir(args)
-    if args.prompt_file:
-        if not os.path.exists(args.prompt_file):
-            raise kimi_jax.decoding.engine.GenerationError(f"prompt file {args.prompt_file!r} does not exist")
-        prompt = pathlib.Path(args.prompt_file).read_text()
-    else:
-        prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-
     model = kimi_jax.load(args.checkpoint, drafter=drafter, mesh=args.mesh, verify=args.verify or None)
     if model.tokenizer is None:
-        raise kimi_jax.decoding.engine.GenerationError(f"{args.checkpoint} has no tokenizer; use the Python API with ids")
+        raise fields.GenerationError(f"{args.checkpoint} has no tokenizer; use the Python API with ids")
     method = args.method or ("ddtree" if model.drafter is not None else "ar")
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
               temperature=args.temperature, seed=args.seed)
