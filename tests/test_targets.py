@@ -151,10 +151,7 @@ def compile_on(target, fn, *args):
     return lowered.compile(targets.compiler_options(target)).as_text()
 
 
-@needs_gpu
-@pytest.mark.parametrize("target,strategy,tokens", matrix(KERNEL_TARGETS, ("tp", "ep"), (1, 8, 64),
-                                                          fast=("h200", "tp", 8)))
-def test_int4_moe_kernel_compiles(target, strategy, tokens):
+def int4_moe_hlo(target, strategy, tokens):
     from kimi_jax.ops.int4_moe.api import int4_moe
 
     k, d = KIMI_K26.num_experts_per_tok, KIMI_K26.hidden_size
@@ -162,29 +159,54 @@ def test_int4_moe_kernel_compiles(target, strategy, tokens):
     assert experts.w13[0][-1] == (KIMI_K26.moe_intermediate_size // TP if strategy == "tp"
                                   else KIMI_K26.moe_intermediate_size)
     fn = functools.partial(int4_moe, impl="pallas", interpret=False)
-    hlo = compile_on(target, fn, ((tokens, d), jnp.bfloat16), ((tokens, k), jnp.int32),
-                     ((tokens, k), jnp.float32), experts)
-    assert hlo.count(TRITON_CALL) == 2          # gate/up and down, as GPU kernels (not interpret-mode loops)
+    return compile_on(target, fn, ((tokens, d), jnp.bfloat16), ((tokens, k), jnp.int32),
+                      ((tokens, k), jnp.float32), experts)
 
 
-@needs_gpu
-@pytest.mark.parametrize("target,page,width", matrix(KERNEL_TARGETS, (0, 64), (1, 17, 65), fast=("h200", 64, 17)))
-def test_tree_attention_kernel_compiles(target, page, width):
-    """page 0: a contiguous cache of 4096 slots; page 64: the same slots as a pool of 64-slot pages."""
+def tree_attention_hlo(target, page, width, slots=4096):
+    """page 0: a contiguous cache of ``slots``; page 64: the same slots as a pool of 64-slot pages. Heads: K2.6's
+    64 over TP-8 = 8 per device (the latent cache is not head-split)."""
     from kimi_jax.ops.tree_attention.api import latent_attention
 
-    slots, b = 4096, 1
+    b = 1
     h, r, p = KIMI_K26.num_attention_heads // TP, KIMI_K26.kv_lora_rank, KIMI_K26.qk_rope_head_dim
     bf16 = jnp.bfloat16
     kv = ((b, slots, r + p), bf16) if not page else ((b * slots // page, page, r + p), bf16)
     args = [((b, width, h, r), bf16), ((b, width, h, p), bf16), kv, ((b,), jnp.int32), ((b, width, width), jnp.bool_)]
     if page:
         args.append(((b, slots // page), jnp.int32))
+
     def fn(q, qpe, kv, lengths, mask, table=None):
         return latent_attention(q, qpe, kv, lengths, mask, 0.1, impl="pallas", interpret=False, page_table=table)
 
-    hlo = compile_on(target, fn, *args)
-    assert hlo.count(TRITON_CALL) == 1
+    return compile_on(target, fn, *args)
+
+
+@needs_gpu
+@pytest.mark.parametrize("target,strategy,tokens", matrix(KERNEL_TARGETS, ("tp", "ep"), (1, 8, 64),
+                                                          fast=("h200", "tp", 8))
+                         + [pytest.param(t, "tp", 8, marks=pytest.mark.slow) for t in ("b300", "rtx_pro_6000")])
+def test_int4_moe_kernel_compiles(target, strategy, tokens):
+    # gate/up and down, as GPU kernels (not interpret-mode loops)
+    assert int4_moe_hlo(target, strategy, tokens).count(TRITON_CALL) == 2
+
+
+@needs_gpu
+@pytest.mark.parametrize("target,page,width", matrix(KERNEL_TARGETS, (0, 64), (1, 17, 65), fast=("h200", 64, 17))
+                         + [pytest.param("b300", 64, 17, marks=pytest.mark.slow)])
+def test_tree_attention_kernel_compiles(target, page, width):
+    assert tree_attention_hlo(target, page, width).count(TRITON_CALL) == 1
+
+
+@needs_gpu
+@pytest.mark.slow
+def test_tree_attention_too_big_for_rtx_pro_6000():
+    """A rejection the real compiler found: from 3 tree nodes on (32-query blocks) the kernel's tiles take
+    112 KiB of shared memory; the RTX PRO 6000 (sm_120) allows 99 KiB a block (its spec's
+    shared_memory_per_block_optin). When the tiles fit, this fails: move rtx_pro_6000 into KERNEL_TARGETS."""
+    assert tree_attention_hlo("rtx_pro_6000", 0, 2).count(TRITON_CALL) == 1      # 16-query blocks fit
+    with pytest.raises(Exception, match="Shared memory size limit exceeded: requested 114688, available: 101376"):
+        tree_attention_hlo("rtx_pro_6000", 0, 17)
 
 
 # ---- the XLA path on a TPU slice ------------------------------------------------------------------------------
