@@ -136,10 +136,15 @@ def test_a_failing_dispatch_ends_its_batch_and_the_server_keeps_serving(live, mo
     release = threading.Event()
 
     def failing_once(state, sample):
-        calls.append(1)
-        if len(calls) == 1:
-            release.wait(10)                         # hold the failure until /health has been asked
-            raise RuntimeError("injected dispatch fault")
+        """The first dispatch with both requests in the batch fails (earlier ones wait for the second to come)."""
+        if not calls:
+            deadline = time.time() + 10
+            while batcher.active + batcher.queue_depth < 2 and time.time() < deadline:
+                time.sleep(0.01)
+            if batcher.active == 2:
+                calls.append(1)
+                release.wait(10)                     # hold the failure until /health has been asked
+                raise RuntimeError("injected dispatch fault")
         return dispatch(state, sample)
 
     monkeypatch.setattr(batcher, "_dispatch", failing_once)

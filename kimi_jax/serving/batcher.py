@@ -125,7 +125,7 @@ class Batcher:
         self._wake = threading.Condition()
         self._stop = False
         self._state = self._group = None
-        self._costs = {}
+        self._programs = {}
         self._deadline = None          # set by drain(): when the requests still running are ended
         self.degraded = None           # the last dispatch failure's message, until a dispatch succeeds
         self._thread = threading.Thread(target=self._loop, name="kimi_jax-batcher", daemon=True)
@@ -193,44 +193,55 @@ class Batcher:
                 state = engine.join(state, row, np.int32(0))
             state = engine.retire(state, np.ones(self.max_batch, bool))
             self._dispatch(state, sample)
+        off = " (drafter off: the calibrated costs say trees lose at this batch size)" if self.drafter_off else ""
         log(f"compiled {2 * len(self.buckets) + 2} programs for {self.max_batch} slots, prompts up to "
-            f"{self.max_prompt} tokens, {self.method} in {time.perf_counter() - t0:.1f}s")
+            f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
 
-    def _cost_table(self, sample):
-        spec = self.specs[sample]
-        if not spec.widths:
-            return None
-        if sample not in self._costs:
-            blank = Request(spec, np.zeros((self.max_batch, self.buckets[0]), np.int32),
-                            np.ones(self.max_batch, np.int32), self.max_new, self.max_len)
-            self._costs[sample] = np.asarray(self.model.cost_table(blank), np.float32)
-        return self._costs[sample]
+    def _program(self, sample):
+        """-> (the batch program's spec, its auto cost table or None) for greedy or sampling batches. Under
+        budget="auto" the table is calibrated for this server's batch size; where it says no tree width pays,
+        the batch runs the plain AR program (``Model.resolve``: no drafter prefill, no taps, no per-round plan)."""
+        if sample not in self._programs:
+            spec = self.specs[sample]
+            if not spec.widths:
+                self._programs[sample] = spec, None
+            else:
+                blank = Request(spec, np.zeros((self.max_batch, self.buckets[0]), np.int32),
+                                np.ones(self.max_batch, np.int32), self.max_new, self.max_len)
+                resolved = self.model.resolve(blank)
+                table = None if resolved.drafter_off else np.asarray(self.model.cost_table(blank), np.float32)
+                self._programs[sample] = resolved.spec, table
+        return self._programs[sample]
+
+    @property
+    def drafter_off(self) -> bool:
+        """Whether the auto policy's calibration turned this server's drafter off (greedy batches)."""
+        return self.specs[False].widths != () and not self._program(False)[0].widths
 
     def _prefill(self, ids, sample, temperature, seed):
         t = next(b for b in self.buckets if b >= len(ids))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, :len(ids)] = ids
         args = self.model.inputs(prompt, np.asarray([len(ids)], np.int32), temperature, seed)
-        costs = self._cost_table(sample)
+        spec, costs = self._program(sample)
         with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.prefill_program(*args, costs, spec=self.specs[sample], max_new=self.max_new,
-                                              max_len=self.max_len)
+            state, _ = engine.prefill_program(*args, costs, spec=spec, max_new=self.max_new, max_len=self.max_len)
         return state
 
     def _blank(self, sample, temperature=1.0, seed=0):
         """A batch state with every slot free (done)."""
         prompt = np.ones((self.max_batch, self.buckets[0]), np.int32)
         args = self.model.inputs(prompt, np.ones(self.max_batch, np.int32), temperature, seed)
+        spec, costs = self._program(sample)
         with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.prefill_program(*args, self._cost_table(sample), spec=self.specs[sample],
-                                              max_new=self.max_new, max_len=self.max_len)
+            state, _ = engine.prefill_program(*args, costs, spec=spec, max_new=self.max_new, max_len=self.max_len)
         return engine.retire(state, np.ones(self.max_batch, bool))
 
     def _dispatch(self, state, sample):
-        drafter = self.model.drafter_params
+        spec, costs = self._program(sample)
         with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.chunk_program(self.model.compute_params, drafter, state, self._cost_table(sample),
-                                            spec=self.specs[sample], rounds=self.rounds)
+            state, _ = engine.chunk_program(self.model.compute_params, self.model.drafter_params, state, costs,
+                                            spec=spec, rounds=self.rounds)
         return state
 
     # ---- the device loop ---------------------------------------------------------------------------------------
