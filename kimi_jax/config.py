@@ -127,37 +127,38 @@ class ModelConfig:
 
 
 LEGACY_RUNTIME_FIELDS = ("moe_impl", "attn_impl")
-IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """How a model runs, as opposed to what it is (ModelConfig): kernel choices and the device mesh.
 
-    moe_impl / attn_impl: "xla" or "pallas" for the INT4 expert matmul and the tree-verify attention
-    (kimi_jax.ops). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
+    moe_impl / attn_impl: "auto" (the Pallas kernel where a program is lowered for a GPU, XLA where it is
+    lowered for a CPU or TPU), "pallas" (interpret mode off the GPU) or "xla", for the INT4 expert matmul and the
+    tree-verify attention (kimi_jax.ops.select decides, per lowering platform). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
     O(chunk x context) instead of O(prompt^2)). page_size: 0 keeps one contiguous latent cache block per row;
     N > 0 pages the cache in pages of N slots, each row owning only the pages its own length needs
     (kimi_jax.cache; one device only for now). Frozen and hashable, so it travels as a jit static argument.
     """
-    moe_impl: str = "xla"
-    attn_impl: str = "xla"
+    moe_impl: str = "auto"
+    attn_impl: str = "auto"
     mesh: Any = None
     strategy: str | None = None
     prefill_chunk: int = 1024
     page_size: int = 0
 
     def __post_init__(self):
+        from kimi_jax.ops.select import IMPLS
         if self.moe_impl not in IMPLS or self.attn_impl not in IMPLS:
             raise ConfigError(f"moe_impl/attn_impl must be one of {IMPLS}, got {self.moe_impl}/{self.attn_impl}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.page_size < 0 or (self.page_size and self.attn_impl == "pallas" and
+        if self.page_size < 0 or (self.page_size and self.attn_impl != "xla" and
                                   (self.page_size < 16 or self.page_size & (self.page_size - 1))):
-            raise ConfigError(f"page_size must be 0 (contiguous) or > 0 (a power of two >= 16 with attn_impl="
-                              f"'pallas'), got {self.page_size}")
+            raise ConfigError(f"page_size must be 0 (contiguous) or > 0 (a power of two >= 16 unless attn_impl="
+                              f"'xla'), got {self.page_size}")
         if self.page_size and self.mesh is not None:
             raise ConfigError("a paged cache (page_size > 0) runs on one device for now; use page_size=0 with a mesh")
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import apply_rope, rms_norm
+from kimi_jax.ops.select import dispatch
 from kimi_jax.ops.tree_attention.api import latent_attention
 
 MASK_VALUE = -1e30   # finite, so a row with no visible key cannot produce NaN
@@ -59,34 +60,44 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
 
 
-def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str):
+def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str,
+                interpret: bool = False):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the kernel API
     (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix (of a paged cache: the row's own
     pages) without a dense [b, t, s] mask."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
-                             page_table=page_table)
+    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, interpret=interpret,
+                             out_dtype=kv.dtype, page_table=page_table)
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 
 
-# Widths up to this go through the tree-attention kernel when impl="pallas"; longer prefills stay dense XLA.
+# Widths up to this go through the tree-attention kernel (impl "pallas", or "auto" on a GPU); longer prefills
+# stay dense XLA.
 TREE_KERNEL_MAX_WIDTH = 256
 
 
 def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str):
     """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache).
     form="full": expanded per-head K/V (training, the reference); form="absorbed": MQA over the latent rows,
-    through the Pallas tree kernel when impl="pallas" at tree widths, else the dense-mask XLA form (whose one
-    [b, t, s] mask every layer of a forward shares) over the logical rows."""
+    at tree widths through the Pallas tree kernel where ``impl`` picks it for the lowering platform
+    (kimi_jax.ops.select), else the dense-mask XLA form (whose one [b, t, s] mask every layer of a forward
+    shares) over the logical rows."""
     if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
-    if form == "absorbed" and impl == "pallas" and q_nope.shape[1] <= TREE_KERNEL_MAX_WIDTH:
-        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, impl)
-    rows = rows_view(kv, page_table)
     if form == "full":
-        return attend_full(q_nope, q_pe, rows, visible, p, cfg)
-    return attend_absorbed(q_nope, q_pe, rows, visible, p, cfg)
+        return attend_full(q_nope, q_pe, rows_view(kv, page_table), visible, p, cfg)
+    if q_nope.shape[1] > TREE_KERNEL_MAX_WIDTH:
+        impl = "xla"
+
+    def dense(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p):
+        return attend_absorbed(q_nope, q_pe, rows_view(kv, page_table), visible, p, cfg)
+
+    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, *, interpret):
+        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, "pallas", interpret)
+
+    return dispatch((q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p), impl=impl, interpret=False,
+                    pallas=kernel, xla=dense)
 
 
 def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):

@@ -7,7 +7,7 @@ scaled by routed_scaling_factor. The shared expert sees the same input and is ad
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
 [E, in, out] matrices, or ``DenseExperts``) take the XLA path; INT4 experts (``ops.int4_format.Int4Experts``)
-go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the Pallas kernel.
+go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the Pallas kernel (``ops.select``).
 
 With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
 ``jax.shard_map``: every device computes its local experts (EP: ids held elsewhere get weight 0) on its slice of
@@ -192,9 +192,12 @@ def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
     unpacking, not the matmuls, was most of a decode step. When the float copy is small (the embedded default:
     4.7 MB) it is made once, with exactly the INT4 values, so the programs only multiply; with few experts per
     choice it is laid out for the dense form (``DenseExperts``). The Pallas path (GPU) keeps streaming INT4,
-    and large or sharded models keep the per-expert unpacking.
+    and large or sharded models keep the per-expert unpacking. These are the weights of the devices they live
+    on, so "auto" is read for this process's backend here (programs lowered for another target take abstract
+    weights, not these).
     """
-    if not cfg.int4_experts or rt.moe_impl != "xla" or rt.mesh is not None or not cfg.num_moe_layers:
+    xla_here = rt.moe_impl == "xla" or (rt.moe_impl == "auto" and jax.default_backend() != "gpu")
+    if not cfg.int4_experts or not xla_here or rt.mesh is not None or not cfg.num_moe_layers:
         return params
     experts, dtype = params["moe_layers"]["moe"]["experts"], jnp.dtype(params["embed"].dtype)
     if (experts.w13.size + experts.w2.size) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:

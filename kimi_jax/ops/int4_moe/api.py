@@ -5,11 +5,14 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 ``kimi_jax.ops.int4_format.Int4Experts`` (K-major int32 words; nibble ``i`` of word row ``32c + j`` = input
 ``256c + 32i + j``; bf16 scales ``[K/32, N]``).
 
-impl="xla" (``xla.py``, the CPU default) or impl="pallas" (``pallas_triton.py``); both group the pairs by expert
-the same way (``routing.py``); ``reference.py`` is the oracle they are tested against.
+impl="xla" (``xla.py``) or impl="pallas" (``pallas_triton.py``), or impl="auto": the Pallas kernel where the
+program is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). Both group the pairs by expert the same
+way (``routing.py``); ``reference.py`` is the oracle they are tested against.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +21,11 @@ from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas
 from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
-
-IMPLS = ("xla", "pallas")
+from kimi_jax.ops.select import check_impl, dispatch
 
 
 def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     if ex.w13.ndim != 4 or ex.w2.ndim != 3:
         raise ValueError(f"int4_moe takes one layer's experts (w13 [E, 2, D/8, F]), got w13 {ex.w13.shape}; "
                          "slice the stacked layer axis first, e.g. jax.tree.map(lambda a: a[i], experts)")
@@ -48,26 +49,30 @@ def _check_block_m(block_m: int, impl: str) -> None:
 
 
 def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
-             impl: str = "xla", interpret: bool | None = None, block_m: int | None = None) -> jax.Array:
+             impl: str = "auto", interpret: bool = False, block_m: int | None = None) -> jax.Array:
     """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
 
-    ``impl="pallas"`` runs the Triton-lowered kernels; ``interpret`` defaults to "not on a GPU" (Pallas
-    interpret mode on CPU). ``block_m`` overrides the row block (a power of two; >= 16 for pallas).
+    ``impl``: "auto", "xla" or "pallas", resolved for the platform the program is lowered for
+    (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. ``block_m`` overrides the row
+    block (a power of two; >= 16 for pallas).
     """
     _check(x, topk_idx, topk_weight, experts, impl)
     experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
-    t, k = topk_idx.shape
-    m = t * k
-    lo, hi = PALLAS_BLOCK_M if impl == "pallas" else XLA_BLOCK_M
-    bm = block_m or default_block_m(m, experts.num_experts, lo, hi)
-    _check_block_m(bm, impl)
-    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
-    xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
-    if impl == "xla":
-        out = experts_xla(xs, routing.block_expert, experts)
-    else:
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
-        out = experts_pallas(xs, routing.block_expert, experts, interpret)
-    return combine(out, routing, topk_weight)
+    if block_m is not None:
+        _check_block_m(block_m, "xla" if impl == "xla" else "pallas")
+
+    def run(x, topk_idx, topk_weight, experts, *, kernel, interpret=False):
+        t, k = topk_idx.shape
+        lo, hi = PALLAS_BLOCK_M if kernel == "pallas" else XLA_BLOCK_M
+        bm = block_m or default_block_m(t * k, experts.num_experts, lo, hi)
+        routing = sort_by_expert(topk_idx, experts.num_experts, bm)
+        xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
+        if kernel == "xla":
+            out = experts_xla(xs, routing.block_expert, experts)
+        else:
+            out = experts_pallas(xs, routing.block_expert, experts, interpret)
+        return combine(out, routing, topk_weight).astype(jnp.float32)
+
+    return dispatch((x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,
+                    pallas=functools.partial(run, kernel="pallas"), xla=functools.partial(run, kernel="xla"))

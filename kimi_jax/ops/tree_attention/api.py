@@ -15,9 +15,10 @@
 Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
 gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
 
-impl="xla" (``xla.py``, the CPU default; a paged cache is gathered into its logical rows first) or impl="pallas"
+impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) or impl="pallas"
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
-through the table); ``reference.py`` is the dense oracle both are tested against.
+through the table), or impl="auto": the Pallas kernel where the program is lowered for a GPU, XLA elsewhere
+(``kimi_jax.ops.select``); ``reference.py`` is the dense oracle both are tested against.
 """
 
 from __future__ import annotations
@@ -27,25 +28,24 @@ import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
+from kimi_jax.ops.select import check_impl, dispatch
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
-IMPLS = ("xla", "pallas")
 
-
-def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "xla",
-                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
+def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
+                     interpret: bool = False, block_q: int | None = None, block_k: int | None = None,
                      num_splits: int | None = None, out_dtype=None, page_table=None):
     """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
     new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
     dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl="pallas"``: ``interpret`` defaults to "not on a GPU"; block_q / block_k (powers of two >= 16) and
-    num_splits override the tiling (block_k <= page_size on a paged cache).
+    ``impl``: "auto", "xla" or "pallas", resolved for the platform the program is lowered for
+    (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling: block_q / block_k
+    (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache).
     page_table [b, pages_per_row] int: kv is a page pool [pages, page_size, r+p] (module doc).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     b, t, h, r = q_lat.shape
     rows_ok = kv.shape[0] == b if page_table is None else page_table.shape[0] == b and page_table.ndim == 2
     if q_pe.shape[:3] != (b, t, h) or kv.ndim != 3 or not rows_ok or kv.shape[2] != r + q_pe.shape[-1]:
@@ -56,12 +56,15 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
         raise ValueError(f"want new_mask [{b},{t},{t}] and lengths [{b}], got {new_mask.shape}, {lengths.shape}")
     lengths = lengths.astype(jnp.int32)
     new_mask = new_mask.astype(bool)
-    if impl == "xla":
-        out = latent_attention_xla(q_lat, q_pe, rows_view(kv, page_table), lengths, new_mask, scale)
-    else:
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
-        out = latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
-                                      block_q=block_q, block_k=block_k, num_splits=num_splits,
-                                      page_table=page_table)
-    return out.astype(out_dtype or q_lat.dtype)
+    dtype = out_dtype or q_lat.dtype
+
+    def xla(q_lat, q_pe, kv, lengths, new_mask, page_table):
+        return latent_attention_xla(q_lat, q_pe, rows_view(kv, page_table), lengths, new_mask, scale).astype(dtype)
+
+    def pallas(q_lat, q_pe, kv, lengths, new_mask, page_table, *, interpret):
+        return latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
+                                       block_q=block_q, block_k=block_k, num_splits=num_splits,
+                                       page_table=page_table).astype(dtype)
+
+    return dispatch((q_lat, q_pe, kv, lengths, new_mask, page_table), impl=impl, interpret=interpret, pallas=pallas,
+                    xla=xla)

@@ -1,0 +1,44 @@
+"""Which implementation of a kernel runs: chosen by the platform a program is lowered for, never by the host.
+
+``impl`` (``Runtime.moe_impl`` / ``Runtime.attn_impl``, and the ops' own ``impl=``):
+
+* ``"auto"`` (the default): the Pallas kernel in a program lowered for a GPU (cuda), the XLA path in a program
+  lowered for a CPU or a TPU;
+* ``"pallas"``: the Pallas kernel on a GPU; on other platforms the same kernel in Pallas interpret mode (its own
+  code run as plain HLO, which is how the tests check it on a CPU);
+* ``"xla"``: the XLA path everywhere.
+
+``interpret=True`` runs the Pallas kernel in interpret mode on every platform (a caller who asks for it).
+
+The choice is ``jax.lax.platform_dependent``: every candidate is traced, only the one for the platform the
+program is lowered for is lowered. So a program lowered for cuda on a CPU host (``kimi_jax.analysis.targets``)
+holds the GPU kernels, and the same jitted function lowered for cpu holds none. (Until this module, the choice
+followed ``jax.default_backend()`` at trace time, and a cuda program lowered on a CPU host silently carried
+interpret-mode loops.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable):
+    """``pallas(*operands, interpret=bool)`` or ``xla(*operands)``, as ``impl`` says for the lowering platform
+    (module doc). Operands are pytrees; ``pallas`` and ``xla`` must return the same shapes and dtypes."""
+    check_impl(impl)
+    if impl == "xla":
+        return xla(*operands)
+    if interpret:
+        return pallas(*operands, interpret=True)
+    elsewhere = xla if impl == "auto" else functools.partial(pallas, interpret=True)
+    return jax.lax.platform_dependent(*operands, cuda=functools.partial(pallas, interpret=False), default=elsewhere)

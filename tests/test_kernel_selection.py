@@ -1,0 +1,99 @@
+"""Kernels are chosen by the platform a program is lowered for (kimi_jax.ops.select), never by the host: the same
+DDTree generate program, with the default Runtime (impl "auto"), holds the GPU kernels when lowered for an H200
+from this CPU, and none when lowered for the CPU. No monkeypatching: the real compiler decides what it got."""
+
+import jax
+import numpy as np
+import pytest
+
+import kimi_jax
+from kimi_jax.analysis import targets
+from kimi_jax.analysis.targets import TRITON_CALL
+from kimi_jax.decoding import engine
+from kimi_jax.model.transformer import compute_params
+from kimi_jax.ops.int4_moe.api import int4_moe
+from kimi_jax.ops.tree_attention.api import latent_attention
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+ROOT = FIXTURES.parent.parent
+TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
+GPU_MISSING = targets.compiler_missing("h200")
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _generate_program(impl: str):
+    """(lower(mesh or None) -> Lowered) for the embedded default's DDTree generate program, budget 8, with the
+    INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies)."""
+    rt = kimi_jax.Runtime(moe_impl=impl, attn_impl=impl)
+    model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt)
+    request = model.prepare("def f(x):\n", 8, "ddtree", 8)
+    args = list(model.program_args(request))
+    args[0] = compute_params(model.params, model.config, rt.replace(moe_impl="pallas"))   # INT4 experts kept
+    args = _abstract(tuple(args))
+    lower = jax.jit(engine.generate_program, static_argnames=("spec", "max_new", "max_len", "pool_pages")).lower
+
+    def lowered(mesh):
+        kw = dict(spec=request.spec, max_new=request.max_new, max_len=request.max_len, pool_pages=0)
+        if mesh is None:
+            return lower(*args, **kw)
+        with targets.lowering_for(mesh):
+            return lower(*args, **kw)
+    return lowered
+
+
+@pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("impl,gpu_kernels", [("auto", True), ("pallas", True), ("xla", False)])
+def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
+    lowered = _generate_program(impl)
+    for_cpu = lowered(None).as_text()
+    assert TRITON_CALL not in for_cpu
+    for_gpu = lowered(targets.compile_mesh("h200", 1)).as_text()
+    # the MoE kernel's two calls (gate/up, down) and the tree attention's, in the target forward of the rounds
+    assert (for_gpu.count(TRITON_CALL) >= 3) == gpu_kernels
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_generate_program_compiles_for_h200_with_gpu_kernels():
+    """The whole DDTree generate program of a small K2-architecture model, default Runtime, compiled for an
+    H200 with register spills as errors: GPU kernels in the executable, no interpret-mode loops."""
+    compiled = _generate_program("auto")(targets.compile_mesh("h200", 1)).compile(targets.compiler_options("h200"))
+    assert compiled.as_text().count(TRITON_CALL) >= 3
+
+
+def test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla():
+    """impl="pallas" lowered for the CPU is the kernel's interpret mode (no Triton call), with the XLA path's
+    numbers; impl="auto" on the CPU is the XLA path."""
+    from kimi_jax.ops.int4_format import Int4Experts
+    rng = np.random.default_rng(0)
+    e, d, f, t, k = 4, 256, 256, 5, 2
+    experts = Int4Experts.quantize(rng.standard_normal((e, d, f), np.float32), rng.standard_normal((e, d, f), np.float32),
+                               rng.standard_normal((e, f, d), np.float32))
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ids = rng.integers(0, e, (t, k)).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    outs = {}
+    for impl in ("auto", "pallas", "xla"):
+        fn = jax.jit(lambda *a, impl=impl: int4_moe(*a, impl=impl))
+        assert TRITON_CALL not in fn.lower(x, ids, w, experts).as_text()
+        outs[impl] = np.asarray(fn(x, ids, w, experts))
+    # float32 sums in another order: differences ~1e-6 of the output's scale
+    np.testing.assert_allclose(outs["pallas"], outs["xla"], rtol=0, atol=1e-5 * np.abs(outs["xla"]).max())
+    np.testing.assert_array_equal(outs["auto"], outs["xla"])
+
+    b, h, r, p, s = 1, 2, 32, 16, 64
+    q, qpe = rng.standard_normal((b, 3, h, r), np.float32), rng.standard_normal((b, 3, h, p), np.float32)
+    kv = rng.standard_normal((b, s, r + p), np.float32)
+    lengths, mask = np.asarray([10], np.int32), np.tril(np.ones((b, 3, 3), bool))
+    att = {impl: np.asarray(jax.jit(lambda *a, impl=impl: latent_attention(*a, 0.1, impl=impl))(q, qpe, kv, lengths,
+                                                                                                  mask))
+           for impl in ("auto", "pallas", "xla")}
+    np.testing.assert_allclose(att["pallas"], att["xla"], rtol=0, atol=1e-5 * np.abs(att["xla"]).max())
+    np.testing.assert_array_equal(att["auto"], att["xla"])
