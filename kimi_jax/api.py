@@ -28,7 +28,7 @@ import numpy as np
 
 from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache, pool_size
-from kimi_jax.config import ModelConfig, Runtime
+from kimi_jax.config import ModelConfig, Runtime, compile_options
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
@@ -244,11 +244,13 @@ class Model:
                 np.float32(max(temperature, 1e-6)), np.uint32(seed))
 
     def _compiled(self, key, lower):
-        """-> (the program ``lower()`` lowers, compiled once per key; the seconds lowering and compiling took)."""
+        """-> (the program ``lower()`` lowers, compiled once per key with the platform's ``compile_options``; the
+        seconds lowering and compiling took)."""
         if key not in self._programs:
             t0 = time.perf_counter()
+            platform = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
             with sharding.mesh_context(self.mesh):
-                compiled = lower().compile()
+                compiled = lower().compile(compile_options(platform, self.runtime))
             self._programs[key] = (compiled, time.perf_counter() - t0)
         return self._programs[key]
 

@@ -140,7 +140,8 @@ class Runtime:
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
     O(chunk x context) instead of O(prompt^2)). page_size: 0 keeps one contiguous latent cache block per row;
     N > 0 pages the cache in pages of N slots, each row owning only the pages its own length needs
-    (kimi_jax.cache; one device only for now). Frozen and hashable, so it travels as a jit static argument.
+    (kimi_jax.cache; one device only for now). graph_loops: on GPUs, loops and branches become CUDA-graph nodes
+    (``compile_options``). Frozen and hashable, so it travels as a jit static argument.
     """
     moe_impl: str = "auto"
     attn_impl: str = "auto"
@@ -148,6 +149,7 @@ class Runtime:
     strategy: str | None = None
     prefill_chunk: int = 1024
     page_size: int = 0
+    graph_loops: bool = True
 
     def __post_init__(self):
         from kimi_jax.ops.select import IMPLS
@@ -164,6 +166,21 @@ class Runtime:
 
     def replace(self, **kw) -> "Runtime":
         return dataclasses.replace(self, **kw)
+
+
+# XLA's default command-buffer (CUDA graph) contents, as jax 0.12's GPU compiler lists them, plus WHILE and
+# CONDITIONAL: a loop or branch whose body can be captured becomes a graph node (CUDA >= 12.3 conditional nodes)
+# instead of a host-driven thunk that copies its predicate to the host and waits, every iteration.
+# docs/gpu_overhead.md has the counts this changes.
+GRAPH_LOOPS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES_KERNEL,WHILE,CONDITIONAL"
+
+
+def compile_options(platform: str, rt: Runtime = Runtime()) -> dict:
+    """XLA compile options kimi_jax compiles its programs with on ``platform`` ("cuda", "cpu", "tpu"; a jax
+    Device's ``platform``)."""
+    if platform in ("cuda", "gpu") and rt.graph_loops:
+        return {"xla_gpu_enable_command_buffer": GRAPH_LOOPS}
+    return {}
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

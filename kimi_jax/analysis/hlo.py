@@ -8,13 +8,13 @@ import re
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
              "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\([^)]*\))?.*\{\s*$")
 
 
-def _shape_bytes(text: str) -> float:
+def shape_bytes(text: str) -> float:
     total = 0.0
-    for dt, dims in _SHAPE.findall(text):
+    for dt, dims in SHAPE.findall(text):
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         total += n * _DT_BYTES.get(dt, 4)
     return total
@@ -76,12 +76,12 @@ def hlo_collectives(hlo: str) -> dict:
     sites = []
     for c, lines in comps.items():
         for s in lines:
-            m = re.match(r"^%?[\w.\-]+\s*=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+            m = re.match(r"^(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start)?\(", s)
             if not m:
                 continue
             kind = m.group(2)
-            nbytes = _shape_bytes(m.group(1))
+            nbytes = shape_bytes(m.group(1))
             if m.group(3):   # async start: result is a tuple (operands, outputs); count the output half
                 nbytes /= 2
             if kind == "all-reduce" and "_promoted" in s and m.group(1).startswith("f32"):
