@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
-from kimi_jax.model.layers import (PER_LAYER_MAX_LAYERS, apply_rope_half, rms_norm, run_layers, split_layers, swiglu,
-                                   yarn_frequencies)
+from kimi_jax.model.layers import (apply_rope_half, own_buffers, rms_norm, room_to_split, run_layers, split_layers,
+                                   swiglu, yarn_frequencies)
 
 CONFIG_FILE = "drafter_config.json"
 
@@ -268,12 +268,14 @@ class Drafter:
     params: dict
 
 
-def compute_params(p, mesh=None):
-    """The drafter weights the generation programs run on: per-layer buffers when unsharded and small (the
-    target's rule, ``kimi_jax.model.transformer.compute_params``)."""
-    if mesh is not None or len(jax.tree.leaves(p["layers"])[0]) > PER_LAYER_MAX_LAYERS:
+def compute_params(p, mesh=None, split: bool | None = None):
+    """The drafter weights the generation programs run on: per-layer buffers when ``split`` (None: where the
+    target's rule, ``kimi_jax.model.layers.own_buffers``, says so for this process's backend)."""
+    if split is None:
+        split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), jax.default_backend(), mesh is not None)
+    if not split or isinstance(p["layers"], tuple):
         return p
-    return {**p, "layers": split_layers(p["layers"])}
+    return {**p, "layers": split_layers(p["layers"]) if room_to_split(p) else p["layers"]}
 
 
 # ---- forward ---------------------------------------------------------------------------------------------

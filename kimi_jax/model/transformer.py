@@ -9,6 +9,7 @@ and training (which reads the expert loads it returns).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -18,7 +19,7 @@ from kimi_jax import cache as cache_lib
 from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model import mla, moe
-from kimi_jax.model.layers import PER_LAYER_MAX_LAYERS, rms_norm, run_layers, split_layers, swiglu, yarn_inv_freq
+from kimi_jax.model.layers import own_buffers, rms_norm, room_to_split, run_layers, split_layers, swiglu, yarn_inv_freq
 from kimi_jax.model.moe import moe_block
 
 
@@ -54,11 +55,23 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
 
 
 def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
-    """The weights the generation programs run on: ``moe.compute_params``'s expert layout and, for a small
-    unsharded model, every layer in its own buffers (``kimi_jax.model.layers.split_layers``: XLA:CPU reads those
-    in place where it copies a stacked layer's slice every step; the default's AR step 0.36 -> 0.21 ms)."""
+    """The weights the generation programs run on: ``moe.compute_params``'s expert layout and, where
+    ``kimi_jax.model.layers.own_buffers`` says so for this process's backend, every layer in its own buffers
+    (``split_layers``: XLA reads those in place where it copies a stacked layer's slice every step; the embedded
+    default's AR step on a CPU 0.36 -> 0.21 ms). Abstract weights (ShapeDtypeStructs) stay abstract."""
     params = moe.compute_params(params, cfg, rt)
-    if rt.mesh is not None or cfg.num_hidden_layers > PER_LAYER_MAX_LAYERS:
+    return split_stacks(params, cfg, own_buffers(cfg.num_hidden_layers, jax.default_backend(), rt.mesh is not None))
+
+
+def split_stacks(params, cfg: ModelConfig, split: bool = True):
+    """``params`` with both layer stacks split into per-layer buffers (``split_layers``) when ``split`` and there
+    is device memory to split in (``room_to_split``; else stacked, with a warning)."""
+    if not split or isinstance(params["moe_layers"], tuple):
+        return params
+    if not room_to_split(params):
+        warnings.warn(f"{cfg.name}: stacked and per-layer weights do not both fit the device, so the programs run "
+                      "the stacked layer scan, which copies each layer's weights every step "
+                      "(docs/gpu_overhead.md)", stacklevel=2)
         return params
     return {**params, "dense_layers": split_layers(params["dense_layers"]),
             "moe_layers": split_layers(params["moe_layers"])}
