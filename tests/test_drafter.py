@@ -107,10 +107,11 @@ def test_k26_drafter_preset_has_the_published_size():
 def test_k26_round_with_its_drafter_compiles_on_eight_devices():
     """One whole DDTree round of the full K2.6 target and the K2.6 DFlash drafter, AOT on a TP-8 mesh of fake
     devices, with a target cache longer than the drafter's window."""
-    from kimi_jax.analysis.sweep import compile_ddtree_round
+    from kimi_jax import sharding as part
+    from kimi_jax.analysis.target_sweep import compile_round
     from kimi_jax.config import KIMI_K26
     c = dflash.PRESETS["kimi-k2.6-dflash"]
-    row = compile_ddtree_round(KIMI_K26, c, "tp=8", "tp", batch=1, budget=16, context=8192)
+    _, row = compile_round(KIMI_K26, c, part.make_mesh("tp=8"), "tp", batch=1, budget=16, context=8192)
     assert row["drafter_bytes"] == 2 * dflash.param_count(c)                     # replicated, bf16
     # ring of 4096 slots x 6 layers x 8 KV heads x 128, K and V, bf16
     assert row["feature_cache_bytes"] == 4096 * 6 * 8 * 128 * 2 * 2

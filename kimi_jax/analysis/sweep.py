@@ -3,6 +3,12 @@
     python -m kimi_jax.analysis.sweep                 # every cell: strategy x devices (8, 16) x batch x budget
     python -m kimi_jax.analysis.sweep --quick         # one cell (tp, 8 devices, batch 1, budget 16)
     python -m kimi_jax.analysis.sweep --cells strategy=tp,ep devices=8 batch=1,64
+    python -m kimi_jax.analysis.sweep --target h200 --devices 8    # real compilers: kimi_jax.analysis.target_sweep
+
+With ``--target`` the sweep compiles whole rounds for a GPU or TPU with XLA's real compilers instead
+(``kimi_jax.analysis.target_sweep``: memory that fits or not, collectives, kernel launches per round). The
+fake-device sweep below stays for what that one does not give: any device count without the ``compile`` extra,
+and the roofline's projected step time per hardware profile for every cell.
 
 A cell AOT-compiles the DDTree verify step -- the target forward over ``[batch, budget + 1]`` tree tokens at
 positions ``P + depth`` with the ancestor mask, against a latent cache of ``--context`` slots (4096), then the
@@ -40,7 +46,9 @@ BUDGETS = (16, 64, 256)
 CONTEXTS = (4096, 32768, 131072, 200_000, 262_144)
 COMPILE_CONTEXT = 4096
 PROFILES = ("rtx_pro_6000", "h100", "h200", "b200", "b300")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# the repository's sharding/results (kimi_jax/analysis -> repo root)
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "sharding",
+                       "results")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,44 +71,6 @@ def _step(params, cache, tokens, positions, new_mask, *, cfg, rt):
     from kimi_jax.model.transformer import forward
     out = forward(params, cfg, tokens, cache, positions=positions, new_mask=new_mask, rt=rt)
     return out.cache, jax.numpy.argmax(out.logits, axis=-1).astype(jax.numpy.int32)
-
-
-def compile_ddtree_round(cfg, dcfg, mesh_spec: str = "tp=8", strategy: str = "tp", batch: int = 1,
-                         budget: int = 16, context: int = COMPILE_CONTEXT) -> dict:
-    """AOT-compile one whole DDTree round (draft, build tree, verify, accept, commit) of target ``cfg`` with
-    drafter ``dcfg`` on a mesh of fake devices, from abstract sharded weights and an abstract state (nothing is
-    allocated). The drafter and its feature cache are replicated. Returns sizes and the compile time."""
-    from kimi_jax import sharding as part
-    from kimi_jax.config import Runtime
-    from kimi_jax.decoding import drafter as dflash
-    from kimi_jax.decoding import engine
-
-    jnp = jax.numpy
-    mesh = part.make_mesh(mesh_spec)
-    rt = Runtime(mesh=mesh, strategy=strategy)
-    spec = engine.Spec(cfg, "ddtree", budget, False, dcfg, dcfg.block_size, rt=rt)
-    params = part.abstract_sharded_params(cfg, mesh, strategy)
-    rep = part.replicated(mesh)
-    dparams = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),
-                           is_leaf=lambda x: isinstance(x, tuple))
-    prompt = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
-    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    with part.mesh_context(mesh):
-        state, _ = jax.eval_shape(functools.partial(engine.prefill, spec=spec, max_new=64, max_len=context),
-                                  params, dparams, prompt, lens, scalar, jax.ShapeDtypeStruct((), jnp.int32))
-        cs = part.cache_sharding(cfg, mesh, strategy, batch=batch)
-        shardings = jax.tree.map(lambda _: rep, state).replace(cache=cs)
-        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-        t0 = time.perf_counter()
-        step = jax.jit(engine.round_step, static_argnames=("spec",))
-        compiled = step.lower(params, dparams, spec=spec, state=state).compile()
-    mem = compiled.memory_analysis()
-    return dict(mesh=mesh_spec, strategy=strategy, batch=batch, budget=budget, context=context,
-                compile_s=round(time.perf_counter() - t0, 1), drafter_params=dflash.param_count(dcfg),
-                drafter_bytes=part.per_device_bytes(dparams),
-                feature_cache_bytes=part.per_device_bytes(state.drafter), weight_bytes=part.per_device_bytes(params),
-                temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0))
 
 
 def checkpoint_bytes(cfg) -> tuple[int, int]:
@@ -262,6 +232,29 @@ def _parse_cells(filters: list[str]) -> dict:
     return out
 
 
+def _target_sweep(args) -> int:
+    from kimi_jax.analysis import target_sweep, targets
+    try:
+        targets.topology(args.target, args.devices)
+        if reason := targets.compiler_missing(args.target):
+            raise targets.TargetError(reason)
+    except targets.TargetError as e:
+        raise SystemExit(f"sweep: {e}") from None
+    cells = target_sweep.parse_cells(args.cells)
+    from tqdm import tqdm
+    bar = tqdm(total=len(cells), desc=f"sweep {args.target} x{args.devices}", unit="cell", file=sys.stderr)
+
+    rows = []
+    for cell in cells:
+        bar.set_postfix_str(cell.key)
+        rows = target_sweep.run(args.target, args.devices, [cell], args.out)
+        bar.update()
+    bar.close()
+    print(target_sweep.table(rows))
+    print(f"\nwrote {os.path.join(args.out, f'{args.target}_d{args.devices}')}.{{json,csv,md}}")
+    return 0
+
+
 def main(argv=None) -> int:
     from kimi_jax.cli.exits import run_command
     return run_command("kimi_jax.analysis.sweep", lambda: _sweep(argv))
@@ -275,7 +268,12 @@ def _sweep(argv) -> int:
     ap.add_argument("--context", type=int, default=COMPILE_CONTEXT,
                     help="latent-cache slots the cells compile with (e.g. 262144: memory at full K2.6 context)")
     ap.add_argument("--merge", action="store_true", help="merge into existing sweep.json instead of replacing")
+    ap.add_argument("--target", help="compile for this GPU/TPU with the real compiler (kimi_jax.analysis.targets: "
+                    "h100, h200, b200, b300, rtx_pro_6000, v5e, v6e, v5p); cells strategy=, batch=, context=, round=")
+    ap.add_argument("--devices", type=int, default=8, help="with --target: how many devices (default 8)")
     args = ap.parse_args(argv)
+    if args.target:
+        return _target_sweep(args)
     if args.quick:
         cells = [Cell("tp", 8, 1, 16)]
     else:
