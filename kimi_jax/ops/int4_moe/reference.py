@@ -1,9 +1,8 @@
-"""The independent oracle of the INT4 routed experts.
+"""The independent oracle of the INT4 routed experts, for tests.
 
-larger blocks amortise the dequantization. Memory stays at one dequantized expert.
-
-``int4_moe_reference`` exports the experts back to the compressed-tensors
-layout, dequantizes every expert with ``int4_format.dequantize_int4`` and evaluates all experts densely for every
+``int4_moe_reference`` exports the experts back to the compressed-tensors layout, dequantizes every expert with
+``int4_format.dequantize_int4`` and evaluates all experts densely for every token in float32 at HIGHEST
+precision; only for small shapes.
 """
 
 from __future__ import annotations
