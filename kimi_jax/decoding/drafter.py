@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
 from kimi_jax.model.layers import (PER_LAYER_MAX_LAYERS, apply_rope_half, rms_norm, run_layers, split_layers, swiglu,
                                    yarn_frequencies)
+from kimi_jax.ops.numerics import MASK_VALUE
 
 CONFIG_FILE = "drafter_config.json"
 
@@ -346,7 +347,7 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         v = jnp.concatenate([cv, jnp.einsum("btd,dhk->bthk", h, lp["v"])], axis=1)
         q = q.reshape(*q.shape[:2], c.num_key_value_heads, group, c.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-        scores = jnp.where(visible[:, None, None], scores, -1e30)
+        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         o = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(*x.shape[:2], c.num_attention_heads, c.head_dim)
         x = x + jnp.einsum("bthk,hkd->btd", o, lp["o"])

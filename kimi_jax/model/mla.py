@@ -20,10 +20,9 @@ import jax.numpy as jnp
 from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import apply_rope, rms_norm
+from kimi_jax.ops.numerics import MASK_VALUE
 from kimi_jax.ops.select import dispatch
 from kimi_jax.ops.tree_attention.api import latent_attention
-
-MASK_VALUE = -1e30   # finite, so a row with no visible key cannot produce NaN
 
 
 def queries(x, p, cfg: ModelConfig, positions, inv_freq):

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.routing import F32
+from kimi_jax.ops.numerics import F32
 
 # Pallas (Triton) tiles; see the module docstring.
 PALLAS_BLOCK_M = (16, 64)     # min, max rows per block

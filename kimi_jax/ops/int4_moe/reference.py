@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import Int4Experts, dequantize_int4
-
-F32 = jnp.float32
+from kimi_jax.ops.numerics import F32
 
 
 def int4_moe_reference(x, topk_idx, topk_weight, experts: Int4Experts) -> jax.Array:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
+from kimi_jax.ops.numerics import F32
 
 
 def _next_pow2(n: int) -> int:

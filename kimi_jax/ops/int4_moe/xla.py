@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import Int4Experts, dequantize_kernel_layout
-from kimi_jax.ops.int4_moe.routing import F32
+from kimi_jax.ops.numerics import F32
 
 XLA_BLOCK_M = (8, 512)
 

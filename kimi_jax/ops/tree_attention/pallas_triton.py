@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.ops.tree_attention.xla import F32, MASK_VALUE, merge_states, tree_rows
+from kimi_jax.ops.numerics import F32, MASK_VALUE
+from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 # Pallas (Triton) tiles; see the module docstring.
 PALLAS_BLOCK_Q = 32
