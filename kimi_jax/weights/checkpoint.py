@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
+from kimi_jax.model.params import ParamSpec, abstract_params, is_spec, param_specs
 from kimi_jax.sharding import per_device_bytes, place
 
 CONFIG_FILE = "kimi_config.json"
@@ -172,10 +172,6 @@ def _path_key(path) -> str:
 def flat(tree, is_leaf=None) -> dict:
     """{path key: leaf} of a tree (see ``_path_key``)."""
     return {_path_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
-
-
-def _is_spec(x):
-    return isinstance(x, ParamSpec)
 
 
 def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -> dict:
@@ -316,14 +312,14 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
     cfg = cfg or read_config(directory)
     check_manifest(directory, verify)
     specs = param_specs(cfg)
-    want = flat(specs, is_leaf=_is_spec)
+    want = flat(specs, is_leaf=is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     if shardings is not None and set(flat_sh) != set(want):
         raise CheckpointError(f"shardings do not match the params tree: {sorted(set(flat_sh) ^ set(want))[:3]}")
     if not is_layered(directory):
         leaves = _restore_checked(os.path.join(directory, PARAMS_DIR), want, flat_sh, dtype, "params")
         # Back into the param tree's own node types (orbax hands dataclass nodes such as Int4Experts back as dicts).
-        return cfg, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), [leaves[k] for k in want])
+        return cfg, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [leaves[k] for k in want])
     globals_ = _restore_checked(os.path.join(directory, GLOBALS_DIR), {k: want[k] for k in GLOBAL_KEYS},
                                 {k: flat_sh[k] for k in GLOBAL_KEYS if k in flat_sh}, dtype, "globals")
 
@@ -369,7 +365,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
     allocated on device with the stacked shardings; a layer is dropped before the next is read, so the host holds
     about one layer at a time."""
     specs = param_specs(cfg)
-    want = flat(specs, is_leaf=_is_spec)
+    want = flat(specs, is_leaf=is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     for k in GLOBAL_KEYS:
         globals_[k] = globals_[k] if isinstance(globals_[k], jax.Array) else place(globals_[k], flat_sh.get(k))
@@ -396,7 +392,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
             float_dtype = out["embed"].dtype
             buf = {s: jnp.zeros(want[k].shape, want[k].dtype or float_dtype) for s, k in sub.items()}
         out.update({k: buf[s] for s, k in sub.items()})
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), [out[k] for k in want])
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [out[k] for k in want])
 
 
 def _put_layer(buf: dict, layer: dict, j):
