@@ -306,8 +306,9 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
 def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
                  block_mask):
     """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab]."""
-    x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
-    return readout(x, c, target_params)
+    with jax.named_scope("drafter"):
+        x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
+        return readout(x, c, target_params)
 
 
 def readout(x, c: DrafterConfig, target_params):
@@ -383,8 +384,9 @@ def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, length
     """Per-position draft logits [b, depth, vocab] for the tokens after each row's bonus (depth defaults to
     block_size - 1). The block always runs whole (later slots can inform earlier ones); only the `depth` slots a
     tree of the caller's budget can reach go through the lm_head, the drafter's largest matmul."""
-    x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
-    return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
+    with jax.named_scope("drafter"):
+        x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
+        return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 
 def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, taps, path, path_len, lengths):
@@ -397,7 +399,8 @@ def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, tap
     rows = jnp.take_along_axis(taps, jnp.maximum(path, 0)[None, :, :, None], axis=2)     # [n_tap, b, k, d]
     j = jnp.arange(path.shape[1])[None, :]
     positions = lengths[:, None] + j
-    k, v = context_kv(p, c, context_features(p, c, rows), positions)
+    with jax.named_scope("drafter"):
+        k, v = context_kv(p, c, context_features(p, c, rows), positions)
     slots = cache.k.shape[2]
     keep = (j < path_len[:, None]) & (j >= path_len[:, None] - slots)
     dst = jnp.where(keep, positions % slots, slots)
