@@ -221,6 +221,29 @@ gc.collect()
 
 
 @needs_default
+def test_restore_leaves_the_process_hooks_as_they_were(tmp_path):
+    """The silencer of abandoned reads lives as long as one read: after a restore, and after a failed one, the
+    process's unraisable hook, warning display and asyncio log filters are the ones it had before."""
+    import logging
+    import warnings
+
+    from kimi_jax.weights.checkpoint import CheckpointError, restore_tree
+
+    def hooks():
+        return sys.unraisablehook, warnings.showwarning, list(logging.getLogger("asyncio").filters)
+
+    copy = tmp_path / "target"
+    shutil.copytree(TARGET, copy)
+    before = hooks()
+    restore_tree(str(TARGET / "params"))
+    assert hooks() == before
+    _damage("truncated", copy)
+    with pytest.raises(CheckpointError, match="damaged or incomplete"):
+        restore_tree(str(copy / "params"))
+    assert hooks() == before
+
+
+@needs_default
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):

@@ -69,8 +69,8 @@ class Tree(NamedTuple):
     valid: jax.Array  # bool; False for padding slots
 
 
-def _root_only(root: jax.Array, budget: int) -> Tree:
-    """Root plus `budget` padding slots (used when N == 0 or there is no draft position)."""
+def root_only(root: jax.Array, budget: int) -> Tree:
+    """Root plus `budget` padding slots (N == 0, no draft position, or a plain AR step)."""
     b = root.shape[0]
     pad_i = jnp.zeros((b, budget), jnp.int32)
     return Tree(
@@ -96,7 +96,7 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
     n = int(budget)
     bsz, depth_l, vocab = log_probs.shape
     if n <= 0 or depth_l == 0:
-        return _root_only(root, max(n, 0))
+        return root_only(root, max(n, 0))
     k = min(n, vocab)
     rows = jnp.arange(bsz)[:, None]
     # Top-K tokens per depth, ties: lower id first. Rows flattened to 2-D: in this program XLA:CPU lowered

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
 from kimi_jax.model.layers import (apply_rope_half, own_buffers, rms_norm, room_to_split, run_layers, split_layers,
                                    swiglu, yarn_frequencies)
+from kimi_jax.ops.numerics import MASK_VALUE
 
 CONFIG_FILE = "drafter_config.json"
 
@@ -307,8 +308,9 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
 def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
                  block_mask):
     """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab]."""
-    x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
-    return readout(x, c, target_params)
+    with jax.named_scope("drafter"):
+        x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
+        return readout(x, c, target_params)
 
 
 def readout(x, c: DrafterConfig, target_params):
@@ -348,7 +350,7 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         v = jnp.concatenate([cv, jnp.einsum("btd,dhk->bthk", h, lp["v"])], axis=1)
         q = q.reshape(*q.shape[:2], c.num_key_value_heads, group, c.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-        scores = jnp.where(visible[:, None, None], scores, -1e30)
+        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         o = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(*x.shape[:2], c.num_attention_heads, c.head_dim)
         x = x + jnp.einsum("bthk,hkd->btd", o, lp["o"])
@@ -384,8 +386,9 @@ def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, length
     """Per-position draft logits [b, depth, vocab] for the tokens after each row's bonus (depth defaults to
     block_size - 1). The block always runs whole (later slots can inform earlier ones); only the `depth` slots a
     tree of the caller's budget can reach go through the lm_head, the drafter's largest matmul."""
-    x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
-    return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
+    with jax.named_scope("drafter"):
+        x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
+        return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 
 def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, taps, path, path_len, lengths):
@@ -398,7 +401,8 @@ def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, tap
     rows = jnp.take_along_axis(taps, jnp.maximum(path, 0)[None, :, :, None], axis=2)     # [n_tap, b, k, d]
     j = jnp.arange(path.shape[1])[None, :]
     positions = lengths[:, None] + j
-    k, v = context_kv(p, c, context_features(p, c, rows), positions)
+    with jax.named_scope("drafter"):
+        k, v = context_kv(p, c, context_features(p, c, rows), positions)
     slots = cache.k.shape[2]
     keep = (j < path_len[:, None]) & (j >= path_len[:, None] - slots)
     dst = jnp.where(keep, positions % slots, slots)

@@ -188,15 +188,11 @@ def draft(params, drafter_params, spec: Spec, state: State):
                         state.cache.lengths, spec.block_size, depth=depth)
 
 
-def _root_only(state: State) -> ddtree.Tree:
-    return ddtree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0), jnp.int32))
-
-
 def build_tree(spec: Spec, state: State, draft_logits) -> ddtree.Tree:
     """The tree to verify, rooted at the bonus token: root only (ar), the argmax chain (dflash), or the
     best-first tree of spec.nodes nodes (ddtree; with widths, its best-first prefixes are verified)."""
     if spec.method == "ar":
-        return _root_only(state)
+        return ddtree.root_only(state.bonus, 0)
     if spec.method == "dflash":
         return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
     return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
@@ -287,7 +283,7 @@ def _auto_round(params, drafter_params, spec: Spec, state: State, costs, force, 
     widths = spec.widths
 
     def ar_step(state):
-        new, nan = _finish(params, drafter_params, spec, state, _root_only(state), 0, keys)
+        new, nan = _finish(params, drafter_params, spec, state, ddtree.root_only(state.bonus, 0), 0, keys)
         return new.replace(since_draft=state.since_draft + 1), nan
 
     def tree_round(state):

@@ -20,25 +20,28 @@ import jax.numpy as jnp
 from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import apply_rope, rms_norm
+from kimi_jax.ops.numerics import MASK_VALUE
 from kimi_jax.ops.select import dispatch
 from kimi_jax.ops.tree_attention.api import latent_attention
-
-MASK_VALUE = -1e30   # finite, so a row with no visible key cannot produce NaN
 
 
 def queries(x, p, cfg: ModelConfig, positions, inv_freq):
     """q_nope [b,t,h,n] and rotated q_pe [b,t,h,p]."""
-    cq = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.latent_norm_eps)
-    q = jnp.einsum("btq,qhk->bthk", cq, p["q_b"])
+    with jax.named_scope("qkv_proj"):
+        cq = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.latent_norm_eps)
+        q = jnp.einsum("btq,qhk->bthk", cq, p["q_b"])
     q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-    return q_nope, apply_rope(q_pe, positions, inv_freq)
+    with jax.named_scope("rope"):
+        return q_nope, apply_rope(q_pe, positions, inv_freq)
 
 
 def latent_rows(x, p, cfg: ModelConfig, positions, inv_freq):
     """The cache rows of new tokens: [normalised c_kv ‖ rotated k_pe], shape [b, t, r + p]."""
-    a = x @ p["kv_a"]
-    c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.latent_norm_eps)
-    k_pe = apply_rope(a[..., cfg.kv_lora_rank:], positions, inv_freq)
+    with jax.named_scope("qkv_proj"):
+        a = x @ p["kv_a"]
+        c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.latent_norm_eps)
+    with jax.named_scope("rope"):
+        k_pe = apply_rope(a[..., cfg.kv_lora_rank:], positions, inv_freq)
     return jnp.concatenate([c_kv, k_pe], axis=-1)
 
 

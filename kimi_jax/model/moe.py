@@ -114,13 +114,19 @@ def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime()):
     """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E])."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    ids, weights = route(flat, p["router"], p["router_bias"], cfg)
+    with jax.named_scope("router"):
+        ids, weights = route(flat, p["router"], p["router_bias"], cfg)
+        loads = expert_loads(ids, cfg.n_routed_experts)
     if rt.mesh is not None and rt.mesh.size > 1:
         y = _sharded_experts(flat, ids, weights, p, cfg, rt)
     else:
         s = p["shared"]
-        y = routed_experts(flat, ids, weights, p["experts"], rt) + swiglu(flat, s["gate"], s["up"], s["down"])
-    return y.reshape(shape), expert_loads(ids, cfg.n_routed_experts)
+        with jax.named_scope("experts"):
+            routed = routed_experts(flat, ids, weights, p["experts"], rt)
+        with jax.named_scope("shared_expert"):
+            shared = swiglu(flat, s["gate"], s["up"], s["down"])
+        y = routed + shared
+    return y.reshape(shape), loads
 
 
 # ---- on a mesh ------------------------------------------------------------------------------------------------
@@ -160,14 +166,16 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
     shared = p["shared"]
 
     def body(x, ids, weights, experts, shared):
-        if ep_axes:
-            n_local = _num_experts(experts)
-            lo = _local_index(ep_axes, mesh) * n_local
-            local = (ids >= lo) & (ids < lo + n_local)
-            ids, weights = jnp.where(local, ids - lo, 0), jnp.where(local, weights, 0.0)
-        y = _routed_f32(x, ids, weights, experts, rt)
+        with jax.named_scope("experts"):
+            if ep_axes:
+                n_local = _num_experts(experts)
+                lo = _local_index(ep_axes, mesh) * n_local
+                local = (ids >= lo) & (ids < lo + n_local)
+                ids, weights = jnp.where(local, ids - lo, 0), jnp.where(local, weights, 0.0)
+            y = _routed_f32(x, ids, weights, experts, rt)
         if shared is not None:
-            y = y + swiglu(x, shared["gate"], shared["up"], shared["down"]).astype(jnp.float32)
+            with jax.named_scope("shared_expert"):
+                y = y + swiglu(x, shared["gate"], shared["up"], shared["down"]).astype(jnp.float32)
         y = y.astype(x.dtype)
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
@@ -175,7 +183,9 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
                        out_specs=P(), check_vma=False)
     y = fn(x, ids, weights, p["experts"], shared if with_shared else None)
     if not with_shared:
-        y = y + swiglu(x, shared["gate"], shared["up"], shared["down"])
+        with jax.named_scope("shared_expert"):
+            y_shared = swiglu(x, shared["gate"], shared["up"], shared["down"])
+        y = y + y_shared
     return y
 
 

@@ -113,14 +113,15 @@ def param_specs(cfg: ModelConfig) -> dict:
     }
 
 
-def _is_spec(x):
+def is_spec(x) -> bool:
+    """is_leaf for trees of ParamSpecs (a NamedTuple, which jax.tree would otherwise descend into)."""
     return isinstance(x, ParamSpec)
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """ShapeDtypeStructs of every weight: eval_shape / AOT compilation without allocating anything."""
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype or dtype)),
-                        param_specs(cfg), is_leaf=_is_spec)
+                        param_specs(cfg), is_leaf=is_spec)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 1.0) -> dict:
@@ -128,7 +129,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     INT4 experts are drawn as float weights and quantised."""
     if cfg.int4_experts:
         return quantize_experts(init_params(cfg.replace(int4_experts=False), key, dtype, scale), cfg)[0]
-    specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
+    specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
 
     def one(s: ParamSpec, k):
         dt = jnp.dtype(s.dtype or dtype)

@@ -39,19 +39,28 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
     """One decoder layer; kv is the whole cache array (kimi_jax.cache). Returns (x, kv, expert loads [E] or None)."""
     positions, slots, inv_freq = ctx.positions, ctx.slots, ctx.inv_freq
     p = layer_params["attn"]
-    h = rms_norm(x, layer_params["attn_norm"], cfg.rms_norm_eps)
-    q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
-    rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
-    kv = cache_lib.write(kv, ctx.page_table, layer_index, slots, rows)
-    o = mla.attend(q_nope, q_pe, kv[layer_index], ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p, cfg,
-                   form=attn_form, impl=rt.attn_impl)
-    x = x + mla.output(o, p)
-    h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("norm"):
+        h = rms_norm(x, layer_params["attn_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("attention"):
+        q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
+        rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
+        with jax.named_scope("cache_write"):
+            kv = cache_lib.write(kv, ctx.page_table, layer_index, slots, rows)
+        with jax.named_scope("attend"):
+            o = mla.attend(q_nope, q_pe, kv[layer_index], ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p,
+                           cfg, form=attn_form, impl=rt.attn_impl)
+        with jax.named_scope("o_proj"):
+            y = mla.output(o, p)
+    x = x + y
+    with jax.named_scope("norm"):
+        h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
     if moe:
         y, loads = moe_block(h, layer_params["moe"], cfg, rt)
         return x + y, kv, loads
     m = layer_params["mlp"]
-    return x + swiglu(h, m["gate"], m["up"], m["down"]), kv, None
+    with jax.named_scope("dense_mlp"):
+        y = swiglu(h, m["gate"], m["up"], m["down"])
+    return x + y, kv, None
 
 
 def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
@@ -113,7 +122,8 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
     for i, l in enumerate(taps):
         tap_slot = tap_slot.at[l].set(i)
 
-    x = params["embed"][tokens]
+    with jax.named_scope("embed"):
+        x = params["embed"][tokens]
     tapped = jnp.zeros((len(taps) + 1, b, t, cfg.hidden_size), x.dtype)
     kv = cache.kv
     loads = jnp.zeros((0, cfg.n_routed_experts), jnp.float32)
@@ -134,10 +144,11 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
         if is_moe:
             loads = layer_loads
 
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.num_hidden_layers - 1 in taps:
-        tapped = tapped.at[taps.index(cfg.num_hidden_layers - 1)].set(x)
-    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    with jax.named_scope("head"):
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        if cfg.num_hidden_layers - 1 in taps:
+            tapped = tapped.at[taps.index(cfg.num_hidden_layers - 1)].set(x)
+        logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
     return ForwardOut(logits, cache.replace(kv=kv), tapped[:len(taps)], loads)
 
 

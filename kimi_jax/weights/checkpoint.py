@@ -23,6 +23,7 @@ default: milliseconds) or when asked (``verify=True``, ``--verify``); a mismatch
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -30,6 +31,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import traceback
 import warnings
 import zlib
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
+from kimi_jax.model.params import ParamSpec, abstract_params, is_spec, param_specs
 from kimi_jax.sharding import per_device_bytes, place
 
 CONFIG_FILE = "kimi_config.json"
@@ -70,15 +72,9 @@ def save_tree(path: str, tree) -> None:
 
 def stored_tree(path: str) -> dict:
     """The metadata tree (shape, dtype per leaf) of the orbax checkpoint at ``path``."""
-    import orbax.checkpoint as ocp
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-    _drop_reports_of_abandoned_reads(path)
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            meta = ckptr.metadata(os.path.abspath(path))
-    except Exception as e:   # orbax/tensorstore: damaged or missing files
-        raise CheckpointError(f"cannot read the orbax checkpoint {path}: {_storage_detail(e)}; {REPAIR}") from None
+    meta = _orbax_read(path, lambda ckptr, where: ckptr.metadata(where))
     if meta is None or meta.item_metadata is None:
         raise CheckpointError(f"cannot read the metadata of the orbax checkpoint {path}: files are missing or "
                               f"damaged; {REPAIR}")
@@ -88,44 +84,77 @@ def stored_tree(path: str) -> dict:
 def restore_tree(path: str, target=None):
     """Restore ``path``; ``target`` a tree of ShapeDtypeStructs (dtype to cast to, sharding to place onto), or
     None for the stored shapes and dtypes on the default device."""
-    import orbax.checkpoint as ocp
     if target is None:
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored_tree(path))
-    _drop_reports_of_abandoned_reads(path)
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(os.path.abspath(path), target)
-    except Exception as e:   # orbax/tensorstore raise bare Exceptions for truncated, emptied or missing files
-        detail = _storage_detail(e)
-        raise CheckpointError(f"cannot read the orbax checkpoint {path}: {detail}; the files are damaged or "
-                              f"incomplete: {REPAIR}") from None
+    return _orbax_read(path, lambda ckptr, where: ckptr.restore(where, target),
+                       "the files are damaged or incomplete: ")
 
 
-_READ_PATHS: set[str] = set()   # every orbax directory this process has read: the reports below name one of them
+def _orbax_read(path: str, read: Callable, damage_note: str = ""):
+    """``read(checkpointer, absolute path)``; a failure of it is one CheckpointError, and the reports it leaves
+    behind are dropped (``_abandoned_read_reports_dropped``)."""
+    import orbax.checkpoint as ocp
+    with _abandoned_read_reports_dropped(path) as settle:
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                return read(ckptr, os.path.abspath(path))
+        except Exception as e:   # orbax/tensorstore raise bare Exceptions for truncated, emptied or missing files
+            detail = _storage_detail(e)
+        settle()       # out of the except clause: the failure's traceback would keep the abandoned reads alive
+    raise CheckpointError(f"cannot read the orbax checkpoint {path}: {detail}; {damage_note}{REPAIR}")
 
 
-def _drop_reports_of_abandoned_reads(path: str) -> None:
+# A failed read's stragglers are the reads in flight when it failed: on the embedded default all of them report
+# within 4 ms of the failure. settle() waits until none has reported for QUIET_S (WAIT_S at most); a read of a huge
+# array still running after that would report to the process's own hook.
+_STRAGGLERS_QUIET_S = 0.1
+_STRAGGLERS_WAIT_S = 5.0
+
+
+@contextlib.contextmanager
+def _abandoned_read_reports_dropped(path: str):
     """Orbax starts the reads of all arrays at once. When one fails, the restore raises and closes its event loop
-    while the other reads still run in tensorstore's threads; each of those then reports from its own thread, at
-    any later moment (also after our one-line CheckpointError), that the loop is closed, that its failure was
-    never retrieved, or that a coroutine of it was never awaited. Those reports repeat a failure we raise anyway: drop them, and nothing else. Installed before
-    the read (not when it fails) because the first reports can come before the failure reaches us."""
-    if not _READ_PATHS:
-        previous = sys.unraisablehook
+    while the other reads still run in tensorstore's threads; each of those then reports from its own thread that
+    the loop is closed, that its failure was never retrieved, or that a coroutine of it was never awaited. Those
+    reports repeat a failure we raise anyway: drop them, and nothing else. Installed before the read (not when it
+    fails) because the first reports can come before the failure reaches us. Yields ``settle``, which a failed
+    read calls to wait for its stragglers and collect its abandoned coroutines, so that the process's own hook,
+    asyncio filters and warning display are put back as they were with nothing of the read left to report."""
+    path = os.path.abspath(path)
+    last_report = time.monotonic()
 
-        def hook(unraisable):
-            if not _is_abandoned_read(unraisable.exc_value, unraisable.exc_traceback, unraisable.object):
-                previous(unraisable)
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(
-            lambda record: not (record.exc_info and _is_abandoned_read(record.exc_info[1], None, None)))
-        show = warnings.showwarning
+    def straggler(is_one: bool) -> bool:
+        nonlocal last_report
+        if is_one:
+            last_report = time.monotonic()
+        return is_one
 
-        def showwarning(message, category, *args, **kwargs):
-            if not (category is RuntimeWarning and _is_orbax_coroutine(str(message))):
-                show(message, category, *args, **kwargs)
-        warnings.showwarning = showwarning
-    _READ_PATHS.add(os.path.abspath(path))
+    def hook(unraisable):
+        if not straggler(_is_abandoned_read(unraisable.exc_value, unraisable.exc_traceback, unraisable.object, path)):
+            previous_hook(unraisable)
+
+    def showwarning(message, category, *args, **kwargs):
+        if not straggler(category is RuntimeWarning and _is_orbax_coroutine(str(message))):
+            previous_show(message, category, *args, **kwargs)
+
+    def log_filter(record):
+        return not straggler(bool(record.exc_info) and _is_abandoned_read(record.exc_info[1], None, None, path))
+
+    def settle():
+        nonlocal last_report
+        start = last_report = time.monotonic()
+        while time.monotonic() - last_report < _STRAGGLERS_QUIET_S and time.monotonic() - start < _STRAGGLERS_WAIT_S:
+            time.sleep(0.01)
+        gc.collect()
+
+    previous_hook, previous_show = sys.unraisablehook, warnings.showwarning
+    sys.unraisablehook, warnings.showwarning = hook, showwarning
+    logging.getLogger("asyncio").addFilter(log_filter)
+    try:
+        yield settle
+    finally:
+        sys.unraisablehook, warnings.showwarning = previous_hook, previous_show
+        logging.getLogger("asyncio").removeFilter(log_filter)
 
 
 def _is_orbax_coroutine(message: str) -> bool:
@@ -144,12 +173,12 @@ def _is_orbax_coroutine(message: str) -> bool:
     return False
 
 
-def _is_abandoned_read(exc, tb, obj) -> bool:
-    """A straggler of a failed orbax read: its coroutine, a tensorstore error naming a directory we read, or the
-    callback that found its event loop closed."""
+def _is_abandoned_read(exc, tb, obj, path: str) -> bool:
+    """A straggler of a failed orbax read of ``path``: its coroutine, a tensorstore error naming that directory, or
+    the callback that found its event loop closed."""
     if getattr(getattr(obj, "cr_code", None), "co_name", "") == "_read_array_index_and_device_put":
         return True
-    if any(p in str(exc) for p in _READ_PATHS):
+    if path in str(exc):
         return True
     frames = {f.name for f in traceback.extract_tb(tb)} if tb is not None else set()
     return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames
@@ -172,10 +201,6 @@ def _path_key(path) -> str:
 def flat(tree, is_leaf=None) -> dict:
     """{path key: leaf} of a tree (see ``_path_key``)."""
     return {_path_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
-
-
-def _is_spec(x):
-    return isinstance(x, ParamSpec)
 
 
 def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -> dict:
@@ -316,14 +341,14 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
     cfg = cfg or read_config(directory)
     check_manifest(directory, verify)
     specs = param_specs(cfg)
-    want = flat(specs, is_leaf=_is_spec)
+    want = flat(specs, is_leaf=is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     if shardings is not None and set(flat_sh) != set(want):
         raise CheckpointError(f"shardings do not match the params tree: {sorted(set(flat_sh) ^ set(want))[:3]}")
     if not is_layered(directory):
         leaves = _restore_checked(os.path.join(directory, PARAMS_DIR), want, flat_sh, dtype, "params")
         # Back into the param tree's own node types (orbax hands dataclass nodes such as Int4Experts back as dicts).
-        return cfg, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), [leaves[k] for k in want])
+        return cfg, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [leaves[k] for k in want])
     globals_ = _restore_checked(os.path.join(directory, GLOBALS_DIR), {k: want[k] for k in GLOBAL_KEYS},
                                 {k: flat_sh[k] for k in GLOBAL_KEYS if k in flat_sh}, dtype, "globals")
 
@@ -369,7 +394,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
     allocated on device with the stacked shardings; a layer is dropped before the next is read, so the host holds
     about one layer at a time."""
     specs = param_specs(cfg)
-    want = flat(specs, is_leaf=_is_spec)
+    want = flat(specs, is_leaf=is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     for k in GLOBAL_KEYS:
         globals_[k] = globals_[k] if isinstance(globals_[k], jax.Array) else place(globals_[k], flat_sh.get(k))
@@ -396,7 +421,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
             float_dtype = out["embed"].dtype
             buf = {s: jnp.zeros(want[k].shape, want[k].dtype or float_dtype) for s, k in sub.items()}
         out.update({k: buf[s] for s, k in sub.items()})
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=_is_spec), [out[k] for k in want])
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [out[k] for k in want])
 
 
 def _put_layer(buf: dict, layer: dict, j):

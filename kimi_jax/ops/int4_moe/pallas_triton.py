@@ -1,6 +1,5 @@
 """The INT4 routed experts as two grouped Pallas (Triton) kernels.
 
-
 Two ``pl.pallas_call`` kernels in the Triton-lowering subset (BlockSpecs, ``pl.program_id``,
 ``pl.when``, ``fori_loop``, power-of-two loads; no scalar prefetch, which the Triton backend lacks, so each
 program reads its block's expert id from a small int32 array and indexes the weights with it):
@@ -25,6 +24,7 @@ Tiling (for an H200 later; nothing here is tuned on hardware yet):
 - ``bn`` = 64 for gate/up (two 8 KiB word tiles per chunk) and 128 for down (one 16 KiB tile): 512 B
   contiguous per word row for coalescing, and enough programs to fill 132 SMs at decode (``8 x 32`` and
   ``8 x 56`` programs for K2 shapes); ``num_stages=3`` lets Triton pipeline the chunk loop's loads.
+- no split-K: at batch 1 the grid already has >= 256 programs of 28 (gate/up) or 8 (down) chunks each.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.routing import F32
+from kimi_jax.ops.numerics import F32
 
 # Pallas (Triton) tiles; see the module docstring.
 PALLAS_BLOCK_M = (16, 64)     # min, max rows per block

@@ -1,9 +1,8 @@
-"""The independent oracle of the INT4 routed experts.
+"""The independent oracle of the INT4 routed experts, for tests.
 
-larger blocks amortise the dequantization. Memory stays at one dequantized expert.
-
-``int4_moe_reference`` exports the experts back to the compressed-tensors
-layout, dequantizes every expert with ``int4_format.dequantize_int4`` and evaluates all experts densely for every
+``int4_moe_reference`` exports the experts back to the compressed-tensors layout, dequantizes every expert with
+``int4_format.dequantize_int4`` and evaluates all experts densely for every token in float32 at HIGHEST
+precision; only for small shapes.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import Int4Experts, dequantize_int4
-
-F32 = jnp.float32
+from kimi_jax.ops.numerics import F32
 
 
 def int4_moe_reference(x, topk_idx, topk_weight, experts: Int4Experts) -> jax.Array:

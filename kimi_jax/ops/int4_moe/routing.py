@@ -16,17 +16,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+from kimi_jax.ops.numerics import F32, next_pow2
 
 
 def default_block_m(num_pairs: int, num_experts: int, lo: int, hi: int) -> int:
     """Power of two near the mean number of rows per touched expert, clamped to [lo, hi]."""
     touched = max(1, min(num_experts, num_pairs))
-    return min(hi, max(lo, _next_pow2(-(-num_pairs // touched))))
+    return min(hi, max(lo, next_pow2(-(-num_pairs // touched))))
 
 
 class Routing(NamedTuple):

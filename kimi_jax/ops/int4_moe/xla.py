@@ -1,9 +1,8 @@
 """The INT4 routed experts in XLA (the CPU default).
 
-- no split-K: at batch 1 the grid already has >= 256 programs of 28 (gate/up) or 8 (down) chunks each.
-
-The grouping, then a ``lax.scan`` over row blocks that dequantizes only
-the block's expert (gathered by id) and runs the SwiGLU with plain dots; ``bm`` up to 512, since on CPU fewer,
+The grouping of ``routing.py``, then a ``lax.scan`` over row blocks that dequantizes only the block's expert
+(gathered by id) and runs the SwiGLU with plain dots; ``bm`` up to 512, since on CPU fewer, larger blocks amortise
+the dequantization. Memory stays at one dequantized expert.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import Int4Experts, dequantize_kernel_layout
-from kimi_jax.ops.int4_moe.routing import F32
+from kimi_jax.ops.numerics import F32
 
 XLA_BLOCK_M = (8, 512)
 

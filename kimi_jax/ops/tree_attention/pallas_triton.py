@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.ops.tree_attention.xla import F32, MASK_VALUE, merge_states, tree_rows
+from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
+from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 # Pallas (Triton) tiles; see the module docstring.
 PALLAS_BLOCK_Q = 32
@@ -62,10 +63,6 @@ PALLAS_NUM_STAGES = 2
 TARGET_PROGRAMS = 264   # ~2 per H200 SM
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_DOT = 16
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _prev_pow2(n: int) -> int:
@@ -170,7 +167,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     # Tree rows are gathered before any padding: from logical slots, through the table when paged.
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
     tree_kv, ok = tree_rows(kv, page_table, lengths, t, tp, n_slots)
-    r, p = max(MIN_DOT, _next_pow2(r_in)), max(MIN_DOT, _next_pow2(p_in))
+    r, p = max(MIN_DOT, next_pow2(r_in)), max(MIN_DOT, next_pow2(p_in))
     if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
         q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
         q_pe = jnp.pad(q_pe, ((0, 0),) * 3 + ((0, p - p_in),))
@@ -181,13 +178,13 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
     n_rows = kv.shape[1]
     if page:
-        table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, _next_pow2(page_table.shape[1]) -
+        table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, next_pow2(page_table.shape[1]) -
                                                                  page_table.shape[1])), constant_values=kv.shape[0])
     else:
         table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
     n_q = t * h
-    bq = block_q or min(PALLAS_BLOCK_Q, max(MIN_DOT, _next_pow2(n_q)))
+    bq = block_q or min(PALLAS_BLOCK_Q, max(MIN_DOT, next_pow2(n_q)))
     for name, v in (("block_q", bq), ("block_k", block_k or PALLAS_BLOCK_K)):
         if v < MIN_DOT or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {v}")

@@ -7,9 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.cache import visibility
-
-F32 = jnp.float32
-MASK_VALUE = -1e30
+from kimi_jax.ops.numerics import F32, MASK_VALUE
 
 
 def dense_reference(q_lat, q_pe, kv, lengths, new_mask, scale: float):

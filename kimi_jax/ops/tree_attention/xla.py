@@ -14,9 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kimi_jax.cache import gather
-
-F32 = jnp.float32
-MASK_VALUE = -1e30      # finite: fully masked blocks keep m finite, so e^(m - m_new) never sees inf - inf
+from kimi_jax.ops.numerics import F32, MASK_VALUE
 
 
 def tree_rows(kv, page_table, lengths, t: int, width: int, n_slots: int):

@@ -1,0 +1,32 @@
+"""The model's parts are named in the HLO: every op of the embedded default's DDTree generate program carries the
+jax.named_scope path of the block it came from in its op_name metadata (what profiles and per-scope kernel counts
+read)."""
+
+import re
+
+import pytest
+
+import kimi_jax
+from kimi_jax.decoding import engine
+
+from conftest import FIXTURES
+
+ROOT = FIXTURES.parent.parent
+TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
+
+ATTENTION_PARTS = ("qkv_proj", "rope", "cache_write", "attend", "o_proj")
+MODEL_PARTS = ("embed", "attention", "norm", "router", "experts", "shared_expert", "dense_mlp", "head", "drafter")
+
+
+@pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
+def test_every_model_part_names_its_ops():
+    model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
+    request = model.prepare("def f(x):\n", 8, "ddtree", 8)
+    lowered = engine.generate_program.lower(*model.program_args(request), spec=request.spec,
+                                            max_new=request.max_new, max_len=request.max_len,
+                                            pool_pages=request.pool_pages)
+    op_names = re.findall(r'op_name="([^"]*)"', lowered.as_text(dialect="hlo", debug_info=True))
+    scopes = {part for name in op_names for part in name.split("/")}
+    assert set(MODEL_PARTS) <= scopes, sorted(set(MODEL_PARTS) - scopes)
+    for part in ATTENTION_PARTS:          # the MLA block's steps sit inside it
+        assert any(f"/attention/{part}/" in name for name in op_names), part
