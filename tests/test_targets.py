@@ -185,7 +185,8 @@ def tree_attention_hlo(target, page, width, slots=4096):
 @needs_gpu
 @pytest.mark.parametrize("target,strategy,tokens", matrix(KERNEL_TARGETS, ("tp", "ep"), (1, 8, 64),
                                                           fast=("h200", "tp", 8))
-                         + [pytest.param(t, "tp", 8, marks=pytest.mark.slow) for t in ("b300", "rtx_pro_6000")])
+                         + [pytest.param(t, "tp", n, marks=pytest.mark.slow)
+                            for t in ("b300", "rtx_pro_6000") for n in (8, 64)])
 def test_int4_moe_kernel_compiles(target, strategy, tokens):
     # gate/up and down, as GPU kernels (not interpret-mode loops)
     assert int4_moe_hlo(target, strategy, tokens).count(TRITON_CALL) == 2
@@ -193,18 +194,27 @@ def test_int4_moe_kernel_compiles(target, strategy, tokens):
 
 @needs_gpu
 @pytest.mark.parametrize("target,page,width", matrix(KERNEL_TARGETS, (0, 64), (1, 17, 65), fast=("h200", 64, 17))
-                         + [pytest.param("b300", 64, 17, marks=pytest.mark.slow)])
+                         + [pytest.param(t, page, w, marks=pytest.mark.slow)
+                            for t in ("b300", "rtx_pro_6000") for page in (0, 64) for w in (17, 65)])
 def test_tree_attention_kernel_compiles(target, page, width):
     assert tree_attention_hlo(target, page, width).count(TRITON_CALL) == 1
 
 
 @needs_gpu
 @pytest.mark.slow
-def test_tree_attention_too_big_for_rtx_pro_6000():
-    """A rejection the real compiler found: from 3 tree nodes on (32-query blocks) the kernel's tiles take
-    112 KiB of shared memory; the RTX PRO 6000 (sm_120) allows 99 KiB a block (its spec's
-    shared_memory_per_block_optin). When the tiles fit, this fails: move rtx_pro_6000 into KERNEL_TARGETS."""
-    assert tree_attention_hlo("rtx_pro_6000", 0, 2).count(TRITON_CALL) == 1      # 16-query blocks fit
+def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
+    """Why the kernels' tile tables have an RTX PRO 6000 (sm_120) entry, found by the real compiler: with the
+    default tiles the INT4 kernel spills registers there, and the tree kernel's 32-query blocks take 112 KiB of
+    shared memory where the device allows 99 KiB a block (its spec's shared_memory_per_block_optin). When this
+    fails, the default tiles fit: drop the entries."""
+    from kimi_jax.ops.int4_moe import pallas_triton as moe_kernel
+    from kimi_jax.ops.tree_attention import pallas_triton as tree_kernel
+
+    assert moe_kernel.tiles_for("NVIDIA RTX PRO 6000 Blackwell") != moe_kernel.tiles_for("NVIDIA H200")
+    monkeypatch.setattr(moe_kernel, "TILES", {"": moe_kernel.Tiles()})
+    monkeypatch.setattr(tree_kernel, "TILES", {"": tree_kernel.Tiles()})
+    with pytest.raises(Exception, match="register spilling"):
+        int4_moe_hlo("rtx_pro_6000", "tp", 8)
     with pytest.raises(Exception, match="Shared memory size limit exceeded: requested 114688, available: 101376"):
         tree_attention_hlo("rtx_pro_6000", 0, 17)
 

@@ -29,6 +29,7 @@ Tiling (for an H200 later; nothing here is tuned on hardware yet):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,13 +39,28 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
+from kimi_jax.ops.select import lowering_gpu, pick_tiles
 
-# Pallas (Triton) tiles; see the module docstring.
-PALLAS_BLOCK_M = (16, 64)     # min, max rows per block
-PALLAS_BLOCK_N_GATE_UP = 64
-PALLAS_BLOCK_N_DOWN = 128
-PALLAS_NUM_WARPS = 4
-PALLAS_NUM_STAGES = 3
+PALLAS_BLOCK_M = (16, 64)     # min, max rows per block (the routing pads expert groups to these: api.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernels' tiles and Triton launch parameters (see the module docstring)."""
+    block_n_gate_up: int = 64
+    block_n_down: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000 Blackwell: no wgmma, Triton's mma.sync
+# path) spills registers at 4 warps x 3 stages on K2.6 TP-8 slices, deviceless compile 2026-12-05; with 8 warps it
+# does not (tests/test_targets.py compiles each target with spills as errors).
+TILES = {"": Tiles(), "RTX PRO 6000": Tiles(num_warps=8)}
+
+
+def tiles_for(device_kind: str | None) -> Tiles:
+    return pick_tiles(TILES, device_kind)
 
 
 def _block_n(n: int, target: int) -> int:
@@ -99,15 +115,18 @@ def _down_kernel(block_expert_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int)
         o_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros(o_ref.shape, F32))
 
 
-def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret: bool) -> jax.Array:
+def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret: bool,
+                   tiles: Tiles | None = None) -> jax.Array:
+    """``tiles``: None picks them for the GPU being lowered for (``tiles_for``)."""
+    tiles = tiles or (Tiles() if interpret else tiles_for(lowering_gpu()))
     nb = block_expert.shape[0]
     bm = xs.shape[0] // nb
     n_exp, _, d_rows, f = ex.w13.shape
     f_rows, d = ex.w2.shape[-2:]
-    params = pltriton.CompilerParams(num_warps=PALLAS_NUM_WARPS, num_stages=PALLAS_NUM_STAGES)
+    params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     expert_spec = pl.BlockSpec((nb,), lambda b, n: (0,))
 
-    bn = _block_n(f, PALLAS_BLOCK_N_GATE_UP)
+    bn = _block_n(f, tiles.block_n_gate_up)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS),
         grid=(nb, f // bn),
@@ -125,7 +144,7 @@ def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     )(block_expert, xs, ex.w13, ex.s13)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
 
-    bn = _block_n(d, PALLAS_BLOCK_N_DOWN)
+    bn = _block_n(d, tiles.block_n_down)
     return pl.pallas_call(
         functools.partial(_down_kernel, n_chunks=f_rows // WORD_ROWS),
         grid=(nb, d // bn),

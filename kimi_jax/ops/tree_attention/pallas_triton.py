@@ -44,6 +44,7 @@ Tiling (for an H200; nothing here has been run on hardware yet). K2: ``h = 64`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -52,14 +53,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
+from kimi_jax.ops.select import lowering_gpu, pick_tiles
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
-# Pallas (Triton) tiles; see the module docstring.
-PALLAS_BLOCK_Q = 32
-PALLAS_BLOCK_K = 64
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
-PALLAS_NUM_WARPS = 8
-PALLAS_NUM_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernel's tiles and Triton launch parameters (see the module docstring); block_q is the most query
+    rows per block (fewer for small trees)."""
+    block_q: int = 32
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+# Per GPU (device-kind substring; "" every other): the RTX PRO 6000 Blackwell (sm_120) allows 99 KiB of shared
+# memory a block, and 32 query rows x 64 keys x 2 stages take 112 KiB at K2.6 shapes; 16 query rows fit, at every
+# width and paging tested (deviceless compile, 2026-12-05; tests/test_targets.py).
+TILES = {"": Tiles(), "RTX PRO 6000": Tiles(block_q=16)}
+
+
+def tiles_for(device_kind: str | None) -> Tiles:
+    return pick_tiles(TILES, device_kind)
 TARGET_PROGRAMS = 264   # ~2 per H200 SM
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_DOT = 16
@@ -184,11 +201,12 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
     n_q = t * h
-    bq = block_q or min(PALLAS_BLOCK_Q, max(MIN_DOT, next_pow2(n_q)))
-    for name, v in (("block_q", bq), ("block_k", block_k or PALLAS_BLOCK_K)):
+    tiles = tiles_for(lowering_gpu()) if not interpret else Tiles()
+    bq = block_q or min(tiles.block_q, max(MIN_DOT, next_pow2(n_q)))
+    for name, v in (("block_q", bq), ("block_k", block_k or tiles.block_k)):
         if v < MIN_DOT or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {v}")
-    bk = min(block_k or PALLAS_BLOCK_K, _prev_pow2(n_rows))         # paged: n_rows = page, so bk divides it
+    bk = min(block_k or tiles.block_k, _prev_pow2(n_rows))         # paged: n_rows = page, so bk divides it
     nq = _cdiv(n_q, bq)
     qp = nq * bq
     n_blocks = _cdiv(n_slots, bk)
@@ -231,7 +249,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
             jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=PALLAS_NUM_WARPS, num_stages=PALLAS_NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), q2, qpe2, kv, table, tree_kv, words)
