@@ -17,8 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kimi_jax import sharding
 from kimi_jax.cache import rows_view
-from kimi_jax.config import ModelConfig
+from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import apply_rope, rms_norm
 from kimi_jax.ops.numerics import MASK_VALUE
 from kimi_jax.ops.select import dispatch
@@ -80,12 +81,14 @@ def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelCo
 TREE_KERNEL_MAX_WIDTH = 256
 
 
-def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str):
+def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str,
+           rt: Runtime | None = None):
     """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache).
     form="full": expanded per-head K/V (training, the reference); form="absorbed": MQA over the latent rows,
     at tree widths through the Pallas tree kernel where ``impl`` picks it for the lowering platform
     (kimi_jax.ops.select), else the dense-mask XLA form (whose one [b, t, s] mask every layer of a forward
-    shares) over the logical rows."""
+    shares) over the logical rows. Under ``rt.mesh`` the kernel runs on each device's own heads
+    (``_tree_on_local_heads``)."""
     if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
     if form == "full":
@@ -97,10 +100,31 @@ def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: Mod
         return attend_absorbed(q_nope, q_pe, rows_view(kv, page_table), visible, p, cfg)
 
     def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, *, interpret):
+        if rt is not None and rt.mesh is not None:
+            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret)
         return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, "pallas", interpret)
 
     return dispatch((q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p), impl=impl, interpret=False,
                     pallas=kernel, xla=dense)
+
+
+def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret):
+    """attend_tree in ``jax.shard_map`` over ``rt.mesh``, each device on its own heads (and batch rows): a
+    Pallas call is opaque to the SPMD partitioner, which otherwise gathers every head onto every device and runs
+    the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
+    A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
+    softmaxes would need merging across devices."""
+    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b):
+        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, "pallas", interpret)
+
+    st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
+    if st.mesh_axes("slots", rt.mesh):
+        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b)
+    spec = lambda *axes: sharding.logical_to_spec(axes, rt.mesh, st)  # noqa: E731
+    per_head = spec("batch", None, "heads", None)
+    return jax.shard_map(local, mesh=rt.mesh, out_specs=per_head, check_vma=False, in_specs=(
+        per_head, per_head, spec("batch", "slots", "latent"), spec("batch"), spec("batch", None, None),
+        spec("kv_lora", "heads", "head_dim")))(q_nope, q_pe, kv, lengths, new_mask, kv_b)
 
 
 def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
