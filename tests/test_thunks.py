@@ -68,7 +68,7 @@ def test_counts_of_a_hand_written_sequence(tmp_path):
     assert got["host_launches"] == 1 + 61 * (1 + 1 + 2) + 1
     assert got["host_syncs"] == 61 and got["unknown_loops"] == 1
     assert got["copy_bytes"] == 61 * 1024 * 2                      # the copy's value, not the stacked operand
-    assert got["by_scope"] == {"attention": 61, "experts": 61, "build_tree": 61, "": 2 + 61 * 2 + 1}
+    assert got["by_scope"] == {"verify/attention": 61, "verify/experts": 61, "build_tree": 61, "": 2 + 61 * 2 + 1}
 
 
 def _loop_program(layers: int):

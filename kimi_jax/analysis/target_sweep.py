@@ -43,7 +43,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 BATCHES = (1, 64)
 CONTEXTS = (4096, 262_144)
 ROUNDS = ("ar", "ddtree16")
-# jax.named_scope names of the model and the round, innermost first wins (kimi_jax.model, decoding.engine)
+# jax.named_scope names of the model and the round (kimi_jax.model, decoding.engine): GPU ops are counted per path
 SCOPES = ("embed", "attention", "qkv_proj", "rope", "cache_write", "attend", "o_proj", "norm", "router",
           "experts", "shared_expert", "dense_mlp", "head", "drafter", "draft", "build_tree", "choose_width",
           "verify", "accept", "commit")

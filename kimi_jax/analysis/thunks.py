@@ -17,7 +17,8 @@ CUDA graph: its thunks are recorded once and replayed by one host call), an ``kA
   dynamic slice, e.g. one layer's weights out of a stacked layer scan);
 * ``unknown_loops``: loops whose trip count the compiler does not know (counted as one iteration: the figures
   are per iteration of them);
-* ``by_scope``: ``gpu_ops`` split by the innermost ``jax.named_scope`` of the HLO instruction behind each thunk.
+* ``by_scope``: ``gpu_ops`` split by the ``jax.named_scope`` path of the HLO instruction behind each thunk
+  (``verify/attention/attend``: the scopes named in ``scope_names``).
 
 These are facts about the compiled program (what it launches), not timings.
 """
@@ -100,11 +101,11 @@ def trip_counts(hlo: str) -> dict[str, int]:
 
 
 def scopes(hlo: str, names) -> dict[str, str]:
-    """HLO instruction name -> the innermost of ``names`` in its op_name metadata ("" when none)."""
+    """HLO instruction name -> the path of ``names`` in its op_name metadata, outermost first
+    ("verify/attention/attend"; "" when none)."""
     out = {}
     for m in re.finditer(r'%?([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', hlo):
-        parts = m.group(2).split("/")
-        out[m.group(1)] = next((p for p in reversed(parts) if p in names), "")
+        out[m.group(1)] = "/".join(p for p in m.group(2).split("/") if p in names)
     return out
 
 
