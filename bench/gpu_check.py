@@ -677,15 +677,18 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
         free([a for a in jax.tree.leaves(params) if id(a) not in shared])
         del params
         try:
-            for budget in plan.round_budgets:
+            # every budget with kimi_jax's GPU compile options (graph loops), then the largest again without
+            # them: what CUDA-graph loops and branches save per round (docs/gpu_overhead.md)
+            runs = [(b, True) for b in plan.round_budgets] + [(max(plan.round_budgets), False)]
+            for budget, graph_loops in runs:
                 row = dict(impl=impl, budget=budget, method="ar" if budget == 0 else "ddtree",
-                           verify_width=budget + 1)
+                           verify_width=budget + 1, graph_loops=graph_loops)
                 rows.append(row)
                 if not ctx["budget"].allows(need):
                     row["status"] = "skipped: budget"
                     continue
                 try:
-                    _one_round(model, cp, plan, row, budget, r1, r2, engine)
+                    _one_round(model, cp, plan, row, budget, r1, r2, engine, graph_loops)
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600],
                                traceback=traceback.format_exc()[-1500:])
@@ -696,7 +699,8 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
     free(dparams)
 
 
-def _one_round(model, cp, plan, row, budget, r1, r2, engine):
+def _one_round(model, cp, plan, row, budget, r1, r2, engine, graph_loops=True):
+    from kimi_jax.config import compile_options
     method = "ar" if budget == 0 else "ddtree"
     prompt = [[1] * 16]
     max_new = plan.round_context - 16 - budget - 2      # prompt + max_new + tree + 1 = the slots, a power of two
@@ -707,7 +711,9 @@ def _one_round(model, cp, plan, row, budget, r1, r2, engine):
     dp = model.drafter_params
     force = np.int32(len(request.spec.widths) - 1 if request.spec.widths else -1)
     t0 = time.perf_counter()
-    compiled = engine.steady_rounds_program.lower(cp, dp, state, force, np.int32(1), spec=request.spec).compile()
+    options = compile_options(jax.default_backend(), model.runtime.replace(graph_loops=graph_loops))
+    compiled = engine.steady_rounds_program.lower(cp, dp, state, force, np.int32(1), spec=request.spec).compile(
+        options)
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     run = lambda r: compiled(cp, dp, state, force, np.int32(r))  # noqa: E731
     t1, t2 = (timed(run, np.int32(r), reps=plan.reps) for r in (r1, r2))
@@ -803,7 +809,8 @@ def summary_lines(result: dict) -> list[str]:
         elif name == "round" and "rows" in s:
             out.append(f"ddtree round ({s['config']}, {s['context_slots']} slots): ms per round")
             for r in s["rows"]:
-                label = f"  {r['impl']:>6} {r['method']}{'' if r['budget'] == 0 else '-' + str(r['budget'])}"
+                label = (f"  {r['impl']:>6} {r['method']}{'' if r['budget'] == 0 else '-' + str(r['budget'])}"
+                         f"{'' if r.get('graph_loops', True) else ' (no graph loops)'}")
                 if r.get("status") != "ok":
                     out.append(f"{label}: {r.get('status')} {r.get('error', '')[:160]}")
                     continue

@@ -472,26 +472,32 @@ def predict_round_time(config: ModelConfig, profile: Hardware, tokens_per_step: 
 @dataclasses.dataclass(frozen=True)
 class DesignOverhead:
     """Fixed cost per round when the whole round is one compiled program inside a device-side while_loop:
-    no host dispatch, no CPU tree build; what is left is each kernel's launch-free tail (ramp-up, drain, the
-    dependency gap between back-to-back kernels) times the number of kernels, plus collectives (counted by
-    :func:`predict_round_time`).
+    no host dispatch, no CPU tree build; what is left is each GPU op's launch-free tail (ramp-up, drain, the
+    dependency gap between back-to-back kernels) times the number of ops, the host submissions of whatever the
+    program leaves outside CUDA graphs, plus collectives (counted by :func:`predict_round_time`).
 
-        overhead = (L * kernels_per_layer + L_draft * kernels_per_drafter_layer + round_kernels) * kernel_tail_s
+        overhead = (L * ops_per_layer + L_draft * ops_per_drafter_layer + round_ops) * op_tail_s
+                   + host_launches * host_launch_s
 
-    Defaults are assumptions to be replaced by the fusion count of the compiled HLO and a measured tail:
-    [kernel-overhead] counts 15-25 kernels/layer at 2.5-4 us (launch gap + tail, under CUDA graphs) in today's
-    engines; a fused XLA layer is assumed at 12 kernels and the launch-free tail at 2 us.
+    The counts are measured, not assumed: the thunk sequence of the K2.6 TP-8 DDTree round (budget 16, its
+    6-layer DFlash drafter) compiled for 8 H200s as kimi_jax compiles it (per-layer weights, graph loops),
+    bench/results/gpu_overhead_h200.json (2026-12-05): 5443 GPU ops = 61 x 85 target-layer ops + 6 x 21
+    drafter-layer ops (scope ``drafter``) + 134 round ops (``build_tree``, ``accept``, ``commit``), in 3 graphs
+    with 9 host submissions. The per-op tail (2 us under CUDA graphs) and the per-submission host cost (5 us)
+    are assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run them here.
     """
-    kernels_per_layer: int = 12
-    kernels_per_drafter_layer: int = 10
-    round_kernels: int = 40          # draft embed/fc, per-depth top-k of the tree build, accept walk, commit
-    kernel_tail_s: float = 2 * US
+    ops_per_layer: int = 85
+    ops_per_drafter_layer: int = 21
+    round_ops: int = 134
+    host_launches: int = 9
+    op_tail_s: float = 2 * US
+    host_launch_s: float = 5 * US
 
     def seconds(self, config: ModelConfig, drafter: DrafterSpec | None = None) -> float:
-        n = config.num_hidden_layers * self.kernels_per_layer
+        n = config.num_hidden_layers * self.ops_per_layer
         if drafter is not None:
-            n += drafter.layers * self.kernels_per_drafter_layer + self.round_kernels
-        return n * self.kernel_tail_s
+            n += drafter.layers * self.ops_per_drafter_layer + self.round_ops
+        return n * self.op_tail_s + self.host_launches * self.host_launch_s
 
 
 DESIGN_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
