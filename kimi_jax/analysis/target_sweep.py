@@ -8,7 +8,7 @@ whole DDTree round with the K2.6 DFlash drafter: draft, build a tree of N nodes,
 lowered from abstract sharded weights and state (``compile_round``; nothing allocated)
 on a compile-only mesh of the target (``kimi_jax.analysis.targets.compile_mesh``) with the kernels the target
 gets (``Runtime`` impl "auto") and compiled by XLA's real GPU compiler or libtpu, with the options kimi_jax
-compiles with (``kimi_jax.config.compile_options``) and register spills as errors. Per device it records:
+compiles with (``kimi_jax.config.compile_options``). Per device it records:
 
 * memory from ``compiled.memory_analysis()``: arguments (weights, drafter, cache, state), temporaries, outputs
   not aliased to the donated state, and whether their sum fits the device (the target spec's memory);
@@ -141,7 +141,10 @@ def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: 
         part.param_shardings(cfg, mesh, cell.strategy)
     except part.ShardingError as e:
         return {**row, "status": f"n/a: {e}"}
-    options = {**compile_options(t.platform), **targets.compiler_options(t)}
+    # Spills are not errors here: XLA's own fusions may spill a few bytes (tp_ep's DDTree round on H200: 12 bytes
+    # in a routing gather fusion), which says nothing of our kernels; tests/test_targets.py compiles those with
+    # spills as errors.
+    options = {**compile_options(t.platform), **targets.compiler_options(t, spills_are_errors=False)}
     if t.platform == "cuda":
         def compile_fn(lowered):
             return thunks.compile_dumped(lowered, options, SCOPES)
