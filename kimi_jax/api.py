@@ -32,6 +32,7 @@ from kimi_jax.config import ModelConfig, Runtime, compile_options
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
+from kimi_jax.model.layers import own_buffers
 from kimi_jax.model.transformer import chunked_forward, compute_params, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
@@ -248,9 +249,8 @@ class Model:
         seconds lowering and compiling took)."""
         if key not in self._programs:
             t0 = time.perf_counter()
-            platform = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
             with sharding.mesh_context(self.mesh):
-                compiled = lower().compile(compile_options(platform, self.runtime))
+                compiled = lower().compile(compile_options(_platform(self.mesh), self.runtime))
             self._programs[key] = (compiled, time.perf_counter() - t0)
         return self._programs[key]
 
@@ -393,6 +393,11 @@ class Model:
         yield self._result(request, out, n_out, accepted, width, int(rounds), busy, prefill_s + chunk_s, dispatches)
 
 
+def _platform(mesh) -> str:
+    """The platform of the devices the weights and programs live on: the mesh's, else this process's default."""
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+
+
 def device_memory_bytes() -> int | None:
     """Free bytes on this process's first device, where the backend reports them (GPUs do; the CPU does not:
     None). A local device: in a multi-process run the global first device belongs to process 0 only."""
@@ -416,8 +421,11 @@ def _chunked_logits(params, cfg, tokens, rt):
     return chunked_forward(params, cfg, tokens, cache, rt.prefill_chunk, attn_form="full", rt=rt).logits
 
 
+LAYOUTS = ("per-layer", "stacked")
+
+
 def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer: str | None = None,
-         runtime: Runtime | None = None, verify: bool | None = None) -> Model:
+         runtime: Runtime | None = None, verify: bool | None = None, layers: str | None = None) -> Model:
     """Load a kimi_jax checkpoint (orbax, stacked or layered) or an HF checkpoint directory (float or
     compressed-tensors INT4: K2.6 as published), optionally with a DFlash drafter.
 
@@ -427,23 +435,33 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     faster and exact enough to compare against references. ``runtime``: kernel choices (kimi_jax.Runtime).
     ``verify``: checksum every weight file of a kimi_jax checkpoint against its manifest (sizes are always
     checked; None checksums only small checkpoints such as the embedded default).
+    ``layers``: "per-layer" reads every decoder layer into its own buffers (``Model.params`` holds each layer
+    stack as a tuple of per-layer trees) and never allocates a stacked copy on the device; "stacked" keeps the
+    layer stacks; None (default) decides by ``kimi_jax.model.layers.own_buffers`` for the platform of the devices
+    the weights go to (GPUs: per-layer, so the programs read each layer in place without holding two copies).
     """
+    if layers not in (None, *LAYOUTS):
+        raise ValueError(f"layers must be one of {LAYOUTS} or None, not {layers!r}")
     if dtype is None and jax.default_backend() == "cpu":
         dtype = jnp.float32
     if not os.path.isdir(path):
         raise checkpoint.CheckpointError(f"checkpoint directory {path!r} does not exist")
     mesh = None if mesh is None else sharding.make_mesh(mesh)
-    if checkpoint.is_kimi_checkpoint(path):
+    kimi = checkpoint.is_kimi_checkpoint(path)
+    if kimi:
         cfg = checkpoint.read_config(path)
-        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
-        cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype, verify=verify)
     elif hf.is_hf_checkpoint(path):
         source = hf.HFCheckpoint(path)
         cfg = source.config
-        shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
-        params = hf.stack_from(source, shardings, dtype or jnp.float32)
     else:
         raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
+    split = layers == "per-layer" if layers is not None else \
+        own_buffers(cfg.num_hidden_layers, _platform(mesh), mesh is not None)
+    shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+    if kimi:
+        cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype, verify=verify, split=split)
+    else:
+        params = hf.stack_from(source, shardings, dtype or jnp.float32, split)
     tok = None
     try:
         tok = load_tokenizer(tokenizer or path)

@@ -85,8 +85,10 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
 # static unrolled slice copies too); XLA:GPU does it for every slice that feeds a Triton GEMM fusion or a Pallas
 # kernel, i.e. all of a layer's weights, routed experts included (a K2.6 TP-8 DDTree round compiled for H200 copies
 # 68 GB per device per round stacked, 6.7 GB split: docs/gpu_overhead.md). Weights held as one buffer per layer are
-# read in place. Compile time grows with the layer count, so CPUs split only small unsharded models; GPUs split
-# every model whose weights fit the device twice (splitting copies them once), and warn where they do not.
+# read in place. Compile time grows with the layer count, so CPUs split only small unsharded models; GPUs always.
+# kimi_jax.load reads such weights straight into per-layer buffers (no stacked copy on the device); stacked weights
+# handed to a Model are split only where both copies fit the device (splitting copies them once), with a warning
+# where they do not.
 PER_LAYER_MAX_LAYERS = 8
 SPLIT_MEMORY_FRACTION = 0.9      # of the device's memory limit that stacked + split weights may take
 
@@ -130,6 +132,11 @@ def split_layers(stack):
             return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=s)
         return tuple(jax.tree.map(one, stack) for _ in range(n))
     return tuple(jax.jit(lambda s, i=i: jax.tree.map(lambda a: a[i], s))(stack) for i in range(n))
+
+
+def layer_at(layers, i: int):
+    """Layer ``i`` of a layer stack, whether stacked (its slice) or per-layer buffers (its own tree)."""
+    return layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda a: a[i], layers)
 
 
 def run_layers(body, carry, layers, xs):

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import swiglu
-from kimi_jax.model.params import layer_specs, with_experts
+from kimi_jax.model.params import layer_specs, map_experts
 from kimi_jax.ops.int4_moe.api import int4_moe
 
 
@@ -209,9 +209,9 @@ def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
     xla_here = rt.moe_impl == "xla" or (rt.moe_impl == "auto" and jax.default_backend() != "gpu")
     if not cfg.int4_experts or not xla_here or rt.mesh is not None or not cfg.num_moe_layers:
         return params
-    experts, dtype = params["moe_layers"]["moe"]["experts"], jnp.dtype(params["embed"].dtype)
-    if (experts.w13.size + experts.w2.size) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:
+    layers, dtype = params["moe_layers"], jnp.dtype(params["embed"].dtype)
+    experts = [layer["moe"]["experts"] for layer in (layers if isinstance(layers, tuple) else (layers,))]
+    if sum(e.w13.size + e.w2.size for e in experts) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:
         return params
-    floats = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))(
-        jax.tree.map(jnp.asarray, experts))
-    return with_experts(params, floats)
+    expand = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))
+    return map_experts(params, lambda e: expand(jax.tree.map(jnp.asarray, e)))

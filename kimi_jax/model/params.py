@@ -82,10 +82,18 @@ def _int4_expert_specs(n, e, d, f):
                        s2=ParamSpec((n, e, fp // GROUP_SIZE, d), axes["s2"], "int4", dtype="bfloat16"))
 
 
+def map_experts(params, fn):
+    """The params tree with its routed experts replaced by ``fn(experts)`` (everything else shared): the stacked
+    experts, or each layer's where the MoE layers are per-layer buffers (a tuple: ``layers.split_layers``)."""
+    def one(layer):
+        return {**layer, "moe": {**layer["moe"], "experts": fn(layer["moe"]["experts"])}}
+    layers = params["moe_layers"]
+    return {**params, "moe_layers": tuple(map(one, layers)) if isinstance(layers, tuple) else one(layers)}
+
+
 def with_experts(params, experts):
     """The params tree with its stacked routed experts replaced (everything else shared)."""
-    moe = {**params["moe_layers"]["moe"], "experts": experts}
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}
+    return map_experts(params, lambda _: experts)
 
 
 def quantize_experts(params, cfg: ModelConfig):
@@ -99,7 +107,7 @@ def dequantize_experts(params, cfg: ModelConfig):
     """The inverse of quantize_experts: float32 experts with the INT4 values (for HF export and references)."""
     if not cfg.int4_experts:
         return params, cfg
-    return with_experts(params, params["moe_layers"]["moe"]["experts"].dequantize()), cfg.replace(int4_experts=False)
+    return map_experts(params, lambda e: e.dequantize()), cfg.replace(int4_experts=False)
 
 
 def param_specs(cfg: ModelConfig) -> dict:

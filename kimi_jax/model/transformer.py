@@ -2,8 +2,9 @@
 
 Weights are the nested dict declared in ``kimi_jax.model.params``. Layers of one kind are stacked on a leading
 axis and run with ``lax.scan``: the ``first_k_dense_replace`` dense SwiGLU layers in one stack, the MoE layers in
-another, so the 61-layer model compiles as two loop bodies. Small unsharded models decode from per-layer buffers
-instead (``compute_params``; ``kimi_jax.model.layers.run_layers``). One ``forward`` serves prefill, decode, tree verify
+another, so the 61-layer model compiles as two loop bodies. GPUs and small unsharded models decode from per-layer
+buffers instead: each stack a tuple of per-layer trees, as ``kimi_jax.load`` reads them there or ``compute_params``
+splits them (``kimi_jax.model.layers.run_layers``). One ``forward`` serves prefill, decode, tree verify
 and training (which reads the expert loads it returns).
 """
 
@@ -74,13 +75,15 @@ def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
 
 def split_stacks(params, cfg: ModelConfig, split: bool = True):
     """``params`` with both layer stacks split into per-layer buffers (``split_layers``) when ``split`` and there
-    is device memory to split in (``room_to_split``; else stacked, with a warning)."""
+    is device memory to split in (``room_to_split``; else stacked, with a warning). Params loaded per layer
+    (``kimi_jax.load(..., layers="per-layer")``, the default where ``own_buffers`` holds) are already split."""
     if not split or isinstance(params["moe_layers"], tuple):
         return params
     if not room_to_split(params):
         warnings.warn(f"{cfg.name}: stacked and per-layer weights do not both fit the device, so the programs run "
                       "the stacked layer scan, which copies each layer's weights every step "
-                      "(docs/gpu_overhead.md)", stacklevel=2)
+                      "(docs/gpu_overhead.md); kimi_jax.load(..., layers='per-layer') reads them into per-layer "
+                      "buffers without a stacked copy", stacklevel=2)
         return params
     return {**params, "dense_layers": split_layers(params["dense_layers"]),
             "moe_layers": split_layers(params["moe_layers"])}

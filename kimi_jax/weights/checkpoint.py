@@ -3,13 +3,14 @@
 A kimi_jax checkpoint directory holds ``kimi_config.json`` (our ModelConfig) plus the weights in one of two
 forms, both read by :func:`restore`:
 
-- *stacked*: ``params/``, one orbax checkpoint of the whole params pytree (what :func:`save` writes; the shipped
-  embedded default). With shardings every device reads only its shard.
+- *stacked*: ``params/``, one orbax checkpoint of the whole params pytree (what :func:`save` writes for stacked
+  params; the shipped embedded default). With shardings every device reads only its shard.
 - *layered*: ``layers/layer_{i:03d}/`` (one orbax checkpoint per decoder layer: that layer's subtree without the
   leading stack axis; INT4 experts as ``{w13, s13, w2, s2}``) + ``globals/`` (embed, final_norm, lm_head). What
   ``python -m kimi_jax.convert`` writes; read back one layer at a time (:func:`stack_layers`), each layer
-  restored straight onto its per-layer shardings and written into its slot of the stacked arrays on device, so
-  host memory holds about one layer. The HF reader (``weights.hf``) stacks its layers the same way.
+  restored straight onto its per-layer shardings and written into its slot of the stacked arrays on device (or,
+  with ``split``, kept as that layer's own buffers), so host memory holds about one layer. The HF reader
+  (``weights.hf``) stacks its layers the same way. :func:`save` writes this form for per-layer params.
 
 Orbax writes into a temporary directory and renames it when complete, and ``kimi_config.json`` is written last
 through an atomic rename, so a directory with ``kimi_config.json`` in it is always complete. Every tensor is
@@ -39,6 +40,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kimi_jax.config import ModelConfig
@@ -203,9 +205,10 @@ def flat(tree, is_leaf=None) -> dict:
     return {_path_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
 
 
-def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -> dict:
+def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str, host: bool = False) -> dict:
     """One orbax directory -> {flat path: array}, checked against ``want`` ({flat path: ParamSpec-like with
-    .shape, .dtype}); floating leaves without a fixed dtype are cast to ``dtype`` while reading."""
+    .shape, .dtype}); floating leaves without a fixed dtype are cast to ``dtype`` while reading. ``host``: numpy
+    arrays in host memory instead of arrays on ``shardings``."""
     stored = stored_tree(path)
     have = flat(stored)
     if set(want) != set(have):
@@ -219,6 +222,8 @@ def _restore_checked(path: str, want: dict, shardings: dict, dtype, what: str) -
     def target(p, meta):
         key = _path_key(p)
         keep = dtype is None or want[key].dtype is not None or not jnp.issubdtype(meta.dtype, jnp.floating)
+        if host:    # orbax restores numpy leaves into host memory (an untouched template costs no pages)
+            return np.zeros(meta.shape, meta.dtype if keep else dtype)
         return jax.ShapeDtypeStruct(meta.shape, meta.dtype if keep else dtype, sharding=shardings.get(key))
 
     return flat(restore_tree(path, jax.tree_util.tree_map_with_path(target, stored)))
@@ -288,8 +293,16 @@ def check_manifest(directory: str, verify: bool | None = None) -> None:
 # ---- kimi_jax checkpoint directories ------------------------------------------------------------------------
 
 def save(directory: str, cfg: ModelConfig, params) -> None:
-    """Write a kimi_jax checkpoint (config + orbax params). Refuses to overwrite an existing one."""
-    write_tree(directory, params, CONFIG_FILE, cfg.to_dict())
+    """Write a kimi_jax checkpoint (config + orbax params). Refuses to overwrite an existing one. Stacked params
+    are written as ``params/``; per-layer params (tuples of layer trees, ``stack_layers(split=True)``) in the
+    layered form, one orbax checkpoint per layer as they are held, so saving them never builds a stacked copy."""
+    if not isinstance(params["moe_layers"], tuple):
+        _write_trees(directory, {PARAMS_DIR: params}, CONFIG_FILE, cfg.to_dict())
+        return
+    layers = params["dense_layers"] + params["moe_layers"]
+    trees = {os.path.relpath(layer_dir(directory, i), directory): layer for i, layer in enumerate(layers)}
+    _write_trees(directory, {GLOBALS_DIR: {k: params[k] for k in GLOBAL_KEYS}, **trees}, CONFIG_FILE,
+                 cfg.to_dict())
 
 
 def write_config(directory: str, config_file: str, config: dict) -> None:
@@ -303,15 +316,23 @@ def write_config(directory: str, config_file: str, config: dict) -> None:
 def write_tree(directory: str, tree, config_file: str, config: dict) -> None:
     """orbax ``params/``, its manifest, then the config JSON: a directory with the config file in it is always
     complete."""
+    _write_trees(directory, {PARAMS_DIR: tree}, config_file, config)
+
+
+def _write_trees(directory: str, trees: dict, config_file: str, config: dict) -> None:
+    """One orbax checkpoint per {relative path: tree}, the manifest of their top directories, then the config."""
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, PARAMS_DIR)
-    if os.path.exists(target):
-        if os.path.exists(os.path.join(directory, config_file)):
-            raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
-        shutil.rmtree(target)    # no config: an interrupted earlier write, never a checkpoint
-    save_tree(target, tree)
-    write_manifest(directory, [PARAMS_DIR])
+    tops = sorted({rel.split(os.sep)[0] for rel in trees})
+    for top in tops:
+        target = os.path.join(directory, top)
+        if os.path.exists(target):
+            if os.path.exists(os.path.join(directory, config_file)):
+                raise CheckpointError(f"{target} already exists; choose another directory or remove it first")
+            shutil.rmtree(target)    # no config: an interrupted earlier write, never a checkpoint
+    for rel, tree in trees.items():
+        save_tree(os.path.join(directory, rel), tree)
+    write_manifest(directory, tops)
     write_config(directory, config_file, config)
 
 
@@ -333,10 +354,13 @@ def is_layered(directory: str) -> bool:
     return os.path.isdir(os.path.join(directory, LAYERS_DIR))
 
 
-def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None, verify: bool | None = None):
+def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtype=None, verify: bool | None = None,
+            split: bool = False):
     """(config, params); with ``shardings`` (a pytree of jax.sharding.Sharding like the params) every weight is
     read straight onto its shardings. ``dtype`` casts the floating weights (not the float32 router bias).
-    ``verify``: checksum every file against the manifest (None: only when the weights are small)."""
+    ``verify``: checksum every file against the manifest (None: only when the weights are small). ``split``: each
+    layer stack as a tuple of per-layer trees (``stack_layers``); a stacked ``params/`` checkpoint is then read
+    into host memory and its layers placed one by one, so no stacked copy reaches the device."""
     directory = os.path.abspath(directory)
     cfg = cfg or read_config(directory)
     check_manifest(directory, verify)
@@ -346,7 +370,13 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
     if shardings is not None and set(flat_sh) != set(want):
         raise CheckpointError(f"shardings do not match the params tree: {sorted(set(flat_sh) ^ set(want))[:3]}")
     if not is_layered(directory):
-        leaves = _restore_checked(os.path.join(directory, PARAMS_DIR), want, flat_sh, dtype, "params")
+        leaves = _restore_checked(os.path.join(directory, PARAMS_DIR), want, flat_sh, dtype, "params", host=split)
+        if split:
+            def host_layer(i, _):
+                stack, j = ("moe_layers", i - cfg.first_k_dense_replace) if i >= cfg.first_k_dense_replace else \
+                    ("dense_layers", i)
+                return {s: leaves[k][j] for s, k in _per_layer_paths(want, stack).items()}
+            return cfg, stack_layers(cfg, host_layer, {k: leaves[k] for k in GLOBAL_KEYS}, shardings, split=True)
         # Back into the param tree's own node types (orbax hands dataclass nodes such as Int4Experts back as dicts).
         return cfg, jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [leaves[k] for k in want])
     globals_ = _restore_checked(os.path.join(directory, GLOBALS_DIR), {k: want[k] for k in GLOBAL_KEYS},
@@ -360,7 +390,7 @@ def restore(directory: str, cfg: ModelConfig | None = None, shardings=None, dtyp
         stack = "moe_layers" if i >= cfg.first_k_dense_replace else "dense_layers"
         return _restore_checked(layer_dir(directory, i), layer_want[stack], layer_sh, dtype, f"layer {i}")
 
-    return cfg, stack_layers(cfg, layer, globals_, shardings)
+    return cfg, stack_layers(cfg, layer, globals_, shardings, split)
 
 
 # ---- stacking layers on device ----------------------------------------------------------------------------------
@@ -385,29 +415,37 @@ def _per_layer_paths(want: dict, stack: str) -> dict:
     return {k[len(stack) + 1:]: k for k in want if k.startswith(stack + "/")}
 
 
-def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], globals_: dict, shardings=None):
+def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], globals_: dict, shardings=None,
+                 split: bool = False):
     """The params pytree from per-layer reads: ``read_layer(i, layer_shardings)`` gives decoder layer i as
     {per-layer flat path: array} (host arrays, or device arrays already on ``layer_shardings``, the per-layer
     shardings, {} without a mesh); ``globals_`` holds the embedding, final norm and lm_head.
 
-    Each layer is placed onto its per-layer shardings and written into its slot of the stacked arrays, which are
-    allocated on device with the stacked shardings; a layer is dropped before the next is read, so the host holds
-    about one layer at a time."""
+    Each layer is placed onto its per-layer shardings. ``split=False``: written into its slot of the stacked
+    arrays, which are allocated on device with the stacked shardings. ``split=True``: kept as it is, so each stack
+    is a tuple of per-layer trees (the form ``kimi_jax.model.layers.split_layers`` makes, for the programs that run
+    one buffer per layer) and no stacked copy is ever allocated. A layer's host arrays are dropped before the next
+    is read, so the host holds about one layer at a time."""
     specs = param_specs(cfg)
     want = flat(specs, is_leaf=is_spec)
     flat_sh = flat(shardings) if shardings is not None else {}
     for k in GLOBAL_KEYS:
         globals_[k] = globals_[k] if isinstance(globals_[k], jax.Array) else place(globals_[k], flat_sh.get(k))
     out = dict(globals_)
+    stacks = {}
     for stack, first, n in (("dense_layers", 0, cfg.first_k_dense_replace),
                             ("moe_layers", cfg.first_k_dense_replace, cfg.num_moe_layers)):
         sub = _per_layer_paths(want, stack)
         out_sh = {s: flat_sh[k] for s, k in sub.items()} if flat_sh else None
         layer_sh = {s: _drop_leading_axis(flat_sh[k]) for s, k in sub.items()} if flat_sh else {}
-        buf = None
+        buf, layers = None, []
         for j in range(n):
             layer = read_layer(first + j, layer_sh)
             layer = {s: a if isinstance(a, jax.Array) else place(a, layer_sh.get(s)) for s, a in layer.items()}
+            if split:
+                layers.append(layer)
+                jax.block_until_ready(layer)   # on device before its host arrays go
+                continue
             if buf is None:
                 shapes = {s: jax.ShapeDtypeStruct(want[k].shape, layer[s].dtype) for s, k in sub.items()}
                 buf = jax.jit(lambda: {s: jnp.zeros(v.shape, v.dtype) for s, v in shapes.items()},
@@ -417,10 +455,16 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
             del layer
             jax.block_until_ready(buf)   # the layer's buffers are free before the next one is read
             gc.collect()                 # (a reference cycle can otherwise keep the first one alive)
+        if split:
+            structure = jax.tree.structure(specs[stack], is_leaf=is_spec)
+            stacks[stack] = tuple(jax.tree.unflatten(structure, [layer[s] for s in sub]) for layer in layers)
+            continue
         if buf is None:  # zero layers of this kind: empty stacks
             float_dtype = out["embed"].dtype
             buf = {s: jnp.zeros(want[k].shape, want[k].dtype or float_dtype) for s, k in sub.items()}
         out.update({k: buf[s] for s, k in sub.items()})
+    if split:
+        return {**{k: out[k] for k in GLOBAL_KEYS}, **stacks}
     return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), [out[k] for k in want])
 
 

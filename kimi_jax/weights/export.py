@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import ModelConfig
+from kimi_jax.model.layers import layer_at
 from kimi_jax.model.params import param_specs
 from kimi_jax.ops.int4_format import Int4Experts, quantize_int4
 from kimi_jax.weights.hf import BF16, GLOBAL_TABLE, expert_name, layer_table
@@ -117,7 +118,8 @@ def _np(a, dtype=None) -> np.ndarray:
 def export_hf(params, cfg: ModelConfig, out_dir: str, int4: bool = True, prefix: str = "language_model.",
               dtype=None, max_shard_bytes: int = 5 * 2**30, kimi_k25_wrapper: bool = False,
               ignore: list[str] | None = None) -> None:
-    """Write params as an HF checkpoint (see the module docstring).
+    """Write params (stacked or per-layer, ``kimi_jax.load(..., layers=)``) as an HF checkpoint (see the module
+    docstring).
 
     ``dtype``: storage dtype of the float weights (default: as they are; the router bias stays float32).
     ``int4``: routed experts as compressed-tensors triplets (quantised with :func:`kimi_jax.ops.int4_format.quantize_int4`
@@ -133,28 +135,29 @@ def export_hf(params, cfg: ModelConfig, out_dir: str, int4: bool = True, prefix:
         moe = i >= cfg.first_k_dense_replace
         stack = "moe_layers" if moe else "dense_layers"
         j = i - cfg.first_k_dense_replace if moe else i
+        layer = layer_at(params[stack], j)
         for path, t in layer_table(cfg, i).items():
-            leaf, spec = params[stack], specs[stack]
+            leaf, spec = layer, specs[stack]
             for k in path.split("/"):
                 leaf, spec = leaf[k], spec[k]
-            a = _np(leaf[j], None if spec.dtype else fdt)
+            a = _np(leaf, None if spec.dtype else fdt)
             w.add(prefix + t.name, np.ascontiguousarray(t.to_hf(a) if t.to_hf else a))
         if not moe:
             continue
-        ex = params[stack]["moe"]["experts"]
+        ex = layer["moe"]["experts"]
         if isinstance(ex, Int4Experts):
-            one = Int4Experts(*(np.asarray(getattr(ex, f)[j]) for f in ("w13", "s13", "w2", "s2")))
+            one = Int4Experts(*(np.asarray(getattr(ex, f)) for f in ("w13", "s13", "w2", "s2")))
             if int4:
                 ct = one.to_compressed_tensors()
             else:
                 deq = one.dequantize()
                 fl = {k: np.asarray(v).astype(fdt or np.float32) for k, v in deq.items()}
         else:
-            fl = {k: _np(ex[k][j], fdt) for k in ("gate", "up", "down")}
+            fl = {k: _np(ex[k], fdt) for k in ("gate", "up", "down")}
             if int4:
                 ct = {}
                 for k in ("gate", "up", "down"):
-                    ct[f"{k}_packed"], ct[f"{k}_scale"] = quantize_int4(np.swapaxes(np.asarray(ex[k][j]), -1, -2))
+                    ct[f"{k}_packed"], ct[f"{k}_scale"] = quantize_int4(np.swapaxes(np.asarray(ex[k]), -1, -2))
         for e in range(cfg.n_routed_experts):
             for proj in ("gate", "up", "down"):
                 base = prefix + expert_name(i, e, proj)

@@ -323,14 +323,15 @@ def is_hf_checkpoint(directory: str) -> bool:
     return os.path.exists(os.path.join(directory, "config.json"))
 
 
-def stack_from(source: HFCheckpoint, shardings=None, dtype=np.float32):
-    """The params of an opened HF checkpoint, read one layer at a time onto ``shardings`` (weights.checkpoint)."""
+def stack_from(source: HFCheckpoint, shardings=None, dtype=np.float32, split: bool = False):
+    """The params of an opened HF checkpoint, read one layer at a time onto ``shardings``; ``split``: per-layer
+    buffers instead of stacks (``weights.checkpoint.stack_layers``)."""
     def layer(i, _):   # host arrays; stack_layers places them
         tree = source.read_layer(i, dtype)
         source.reader.release()
         return tree
 
-    return stack_layers(source.config, layer, source.read_globals(dtype), shardings)
+    return stack_layers(source.config, layer, source.read_globals(dtype), shardings, split)
 
 
 def load(directory: str, shardings=None, dtype=np.float32):
