@@ -31,6 +31,7 @@ def _expert_bytes_per_device():
     return part.per_device_bytes(params["moe_layers"]["moe"]["experts"])
 
 
+@pytest.mark.slow     # two whole-round compiles for 4 H200s (~30-60 s)
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_ddtree_round_for_h200_per_layer_and_stacked():
     cell = target_sweep.Cell("tp", 1, 512, "ddtree4")
@@ -53,6 +54,7 @@ def test_ddtree_round_for_h200_per_layer_and_stacked():
     assert stacked["copy_bytes"] >= experts > row["copy_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_ar_step_and_unservable_cells():
     ar = _cell("h200", target_sweep.Cell("tp", 1, 512, "ar"))
