@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import pathlib
 import re
 
@@ -155,6 +156,11 @@ def compile_devices(target: str | Target, devices: int) -> list:
     if reason := compiler_missing(t):
         raise TargetError(reason)
     topo = topology(t, devices)
+    if t.platform == "tpu":
+        # libtpu takes /tmp/libtpu_lockfile when it loads, and refuses (aborting the process) while another process
+        # holds it, e.g. any JAX process on this machine that probed for TPUs. Compile-only devices never touch a
+        # chip, so the lock guards nothing here.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if t.platform == "cuda":
         desc = topologies.get_topology_desc(platform="cuda", target_config=t.spec, topology=topo)
     else:
