@@ -643,7 +643,7 @@ def stage_profile(compiled, run, rounds: int) -> dict:
 
 def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
     import kimi_jax
-    from kimi_jax.config import Runtime
+    from kimi_jax.config import Runtime, compile_options
     from kimi_jax.decoding import drafter as dflash
     from kimi_jax.decoding import engine
 
@@ -679,7 +679,10 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
         try:
             # every budget with kimi_jax's GPU compile options (graph loops), then the largest again without
             # them: what CUDA-graph loops and branches save per round (docs/gpu_overhead.md)
-            runs = [(b, True) for b in plan.round_budgets] + [(max(plan.round_budgets), False)]
+            runs = [(b, True) for b in plan.round_budgets]
+            backend = jax.default_backend()
+            if compile_options(backend, Runtime()) != compile_options(backend, Runtime(graph_loops=False)):
+                runs.append((max(plan.round_budgets), False))       # off a GPU the two are one program
             for budget, graph_loops in runs:
                 row = dict(impl=impl, budget=budget, method="ar" if budget == 0 else "ddtree",
                            verify_width=budget + 1, graph_loops=graph_loops)
