@@ -57,12 +57,12 @@ def embedded_generate(target: str) -> list[dict]:
     from kimi_jax.analysis import target_sweep, targets, thunks
     from kimi_jax.config import Runtime, compile_options
     from kimi_jax.decoding import engine
-    from kimi_jax.model.transformer import split_stacks
+    from kimi_jax.model.compute_layout import split_stacks
 
     model = kimi_jax.load(str(ROOT / "checkpoints" / "target"), drafter=str(ROOT / "checkpoints" / "drafter"))
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
     args = list(model.program_args(request))
-    args[0] = split_stacks(model.params, model.config)                  # as stored: INT4 experts, per layer
+    args[0] = split_stacks(model.params)                  # as stored: INT4 experts, per layer
     args = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
     mesh = targets.compile_mesh(target, 1)
     with targets.lowering_for(mesh):

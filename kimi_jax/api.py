@@ -32,8 +32,8 @@ from kimi_jax.config import ModelConfig, Runtime, compile_options
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
-from kimi_jax.model.layers import own_buffers
-from kimi_jax.model.transformer import chunked_forward, compute_params, full_logits
+from kimi_jax.model.compute_layout import compute_params, own_buffers
+from kimi_jax.model.transformer import chunked_forward, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
@@ -91,7 +91,7 @@ class Model:
 
     @property
     def compute_params(self):
-        """The weights the generation programs run on (``kimi_jax.model.transformer.compute_params``), made once."""
+        """The weights the generation programs run on (``kimi_jax.model.compute_layout.compute_params``), made once."""
         if self._compute_params is None:
             self._compute_params = compute_params(self.params, self.config, self.runtime)
         return self._compute_params
@@ -437,7 +437,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
     checked; None checksums only small checkpoints such as the embedded default).
     ``layers``: "per-layer" reads every decoder layer into its own buffers (``Model.params`` holds each layer
     stack as a tuple of per-layer trees) and never allocates a stacked copy on the device; "stacked" keeps the
-    layer stacks; None (default) decides by ``kimi_jax.model.layers.own_buffers`` for the platform of the devices
+    layer stacks; None (default) decides by ``kimi_jax.model.compute_layout.own_buffers`` for the platform of the devices
     the weights go to (GPUs: per-layer, so the programs read each layer in place without holding two copies).
     """
     if layers not in (None, *LAYOUTS):

@@ -12,7 +12,7 @@ from kimi_jax.decoding import costs, ddtree, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import init_params
-from kimi_jax.model import layers
+from kimi_jax.model import compute_layout
 from kimi_jax.model.transformer import forward
 
 CFG = preset("tiny").replace(eos_token_ids=())
@@ -60,7 +60,7 @@ def test_stacked_and_per_layer_weights_decode_alike(model, target, monkeypatch):
     large one: both are the same model, so DDTree emits the same tokens either way."""
     assert isinstance(model.compute_params["moe_layers"], tuple) and isinstance(model.drafter_params["layers"], tuple)
     split = model.generate(PROMPTS, 12, method="ddtree", budget=4)
-    monkeypatch.setattr(layers, "PER_LAYER_MAX_LAYERS", 0)
+    monkeypatch.setattr(compute_layout, "PER_LAYER_MAX_LAYERS", 0)
     stacked_model = kimi_jax.Model(CFG, target, drafter=model.drafter)
     assert not isinstance(stacked_model.compute_params["moe_layers"], tuple)
     assert not isinstance(stacked_model.drafter_params["layers"], tuple)

@@ -10,7 +10,7 @@ import kimi_jax
 from kimi_jax.analysis import targets
 from kimi_jax.analysis.targets import TRITON_CALL
 from kimi_jax.decoding import engine
-from kimi_jax.model.transformer import compute_params
+from kimi_jax.model.compute_layout import compute_params
 from kimi_jax.ops.int4_moe.api import int4_moe
 from kimi_jax.ops.tree_attention.api import latent_attention
 

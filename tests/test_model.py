@@ -16,7 +16,8 @@ from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import ConfigError, ModelConfig, param_count, preset
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import abstract_params, init_params
-from kimi_jax.model.transformer import compute_params, forward, full_logits
+from kimi_jax.model.compute_layout import compute_params
+from kimi_jax.model.transformer import forward, full_logits
 from kimi_jax.weights import checkpoint, hf
 
 TINY = preset("tiny")

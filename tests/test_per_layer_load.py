@@ -123,3 +123,29 @@ def test_save_and_export_of_per_layer_params(per_layer, stacked, tmp_path):
         export_hf(model.params, model.config, str(tmp_path / out), int4=False, prefix="")
     assert filecmp.cmp(tmp_path / "per_layer" / "model.safetensors", tmp_path / "stacked" / "model.safetensors",
                        shallow=False)
+
+
+def test_no_room_to_split_keeps_the_stacks_and_says_so(stacked, monkeypatch):
+    """Stacked weights are split on the device only where both copies fit ``SPLIT_MEMORY_FRACTION`` of the
+    fullest device's memory limit; where they do not, the target and the drafter alike keep their stacks and warn
+    (one rule for both: ``compute_layout.split_stacks``)."""
+    from kimi_jax.decoding import drafter as dflash
+    from kimi_jax.model import compute_layout
+
+    params = jax.device_put(stacked.params)
+    dparams = jax.device_put(stacked.drafter.params)
+    device = jax.devices()[0]
+    used = sum(sh.data.nbytes for a in jax.tree.leaves(params) for sh in a.addressable_shards)
+    for limit, fits in ((int(2 * used / compute_layout.SPLIT_MEMORY_FRACTION) + 1, True),
+                        (int(2 * used / compute_layout.SPLIT_MEMORY_FRACTION) - 1, False)):
+        monkeypatch.setattr(type(device), "memory_stats", lambda self, limit=limit: {"bytes_limit": limit})
+        assert compute_layout.room_to_split(params) is fits
+    monkeypatch.setattr(type(device), "memory_stats", lambda self: {"bytes_limit": 1})
+    with pytest.warns(UserWarning, match="do not both fit"):
+        target = compute_layout.split_stacks(params, name="target")
+    with pytest.warns(UserWarning, match="the drafter: stacked and per-layer weights do not both fit"):
+        drafter = dflash.compute_params(dparams, split=True)
+    assert target is params and drafter is dparams
+    monkeypatch.undo()
+    assert isinstance(compute_layout.split_stacks(params)["moe_layers"], tuple)
+    assert isinstance(dflash.compute_params(dparams, split=True)["layers"], tuple)

@@ -74,13 +74,12 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     compile-only mesh of a GPU/TPU target (``kimi_jax.analysis.targets.compile_mesh``); ``compile(lowered) ->
     (compiled, extra dict)`` replaces ``lowered.compile(options)`` (e.g. ``thunks.compile_dumped``). ``split``:
     per-layer weight buffers (True) or stacked layer scans (False); None: what kimi_jax runs on the mesh's
-    platform (``kimi_jax.model.layers.own_buffers``).
+    platform (``kimi_jax.model.compute_layout.own_buffers``).
     Returns (compiled, sizes: per-device weight / drafter / feature-cache / latent-cache bytes, compile_s)."""
     from kimi_jax.config import Runtime
     from kimi_jax.decoding import drafter as dflash
     from kimi_jax.decoding import engine
-    from kimi_jax.model.layers import own_buffers
-    from kimi_jax.model.transformer import split_stacks
+    from kimi_jax.model.compute_layout import own_buffers, split_stacks
 
     jnp = jax.numpy
     rt = Runtime(mesh=mesh, strategy=strategy)
@@ -91,7 +90,7 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     # the weights in the layout kimi_jax runs on the mesh's platform (per-layer buffers on GPUs)
     if split is None:
         split = own_buffers(cfg.num_hidden_layers, mesh.devices.flat[0].platform, sharded=True)
-    params = split_stacks(part.abstract_sharded_params(cfg, mesh, strategy), cfg, split)
+    params = split_stacks(part.abstract_sharded_params(cfg, mesh, strategy), split=split)
     rep = part.replicated(mesh)
     dparams = None if dcfg is None else dflash.compute_params(jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
-from kimi_jax.model.layers import (apply_rope_half, own_buffers, rms_norm, room_to_split, run_layers, split_layers,
-                                   swiglu, yarn_frequencies)
+from kimi_jax.model.compute_layout import own_buffers, split_stacks
+from kimi_jax.model.layers import apply_rope_half, rms_norm, run_layers, swiglu, yarn_frequencies
 from kimi_jax.ops.numerics import MASK_VALUE
 
 CONFIG_FILE = "drafter_config.json"
@@ -271,12 +271,10 @@ class Drafter:
 
 def compute_params(p, mesh=None, split: bool | None = None):
     """The drafter weights the generation programs run on: per-layer buffers when ``split`` (None: where the
-    target's rule, ``kimi_jax.model.layers.own_buffers``, says so for this process's backend)."""
+    target's rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for this process's backend)."""
     if split is None:
         split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), jax.default_backend(), mesh is not None)
-    if not split or isinstance(p["layers"], tuple):
-        return p
-    return {**p, "layers": split_layers(p["layers"]) if room_to_split(p) else p["layers"]}
+    return split_stacks(p, ("layers",), "the drafter", split)
 
 
 # ---- forward ---------------------------------------------------------------------------------------------
@@ -300,7 +298,7 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
         k = rms_norm(jnp.einsum("btd,dhk->bthk", ctx, lp["k"]), lp["k_norm"], c.rms_norm_eps)
         return (apply_rope_half(k, positions, inv_freq, c.rope_scale), jnp.einsum("btd,dhk->bthk", ctx, lp["v"]))
 
-    if isinstance(p["layers"], tuple):                 # per-layer buffers (split_layers)
+    if isinstance(p["layers"], tuple):                 # per-layer buffers (compute_layout.split_layers)
         return jax.tree.map(lambda *a: jnp.stack(a), *[one(lp) for lp in p["layers"]])
     return jax.vmap(one)(p["layers"])
 

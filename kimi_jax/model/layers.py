@@ -1,5 +1,5 @@
 """Small building blocks of the K2 decoder: RMSNorm, YaRN RoPE (DeepSeek pair rotation), SwiGLU, and the
-loop over a stack of layers."""
+loop over a stack of layers (stacked, or per-layer buffers: ``kimi_jax.model.compute_layout``)."""
 
 from __future__ import annotations
 
@@ -78,60 +78,6 @@ def apply_rope_half(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, sca
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)); weights are input-major ([in, out])."""
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
-
-
-# XLA copies a layer's slice out of stacked weights on every step of a layer scan wherever the consumer cannot read
-# the slice in place. XLA:CPU does it in its dynamic-slice fusions (~30% of a decode step on the embedded default; a
-# static unrolled slice copies too); XLA:GPU does it for every slice that feeds a Triton GEMM fusion or a Pallas
-# kernel, i.e. all of a layer's weights, routed experts included (a K2.6 TP-8 DDTree round compiled for H200 copies
-# 68 GB per device per round stacked, 6.7 GB split: docs/gpu_overhead.md). Weights held as one buffer per layer are
-# read in place. Compile time grows with the layer count, so CPUs split only small unsharded models; GPUs always.
-# kimi_jax.load reads such weights straight into per-layer buffers (no stacked copy on the device); stacked weights
-# handed to a Model are split only where both copies fit the device (splitting copies them once), with a warning
-# where they do not.
-PER_LAYER_MAX_LAYERS = 8
-SPLIT_MEMORY_FRACTION = 0.9      # of the device's memory limit that stacked + split weights may take
-
-
-def own_buffers(num_layers: int, platform: str, sharded: bool) -> bool:
-    """Whether programs on ``platform`` ("cpu", "gpu"/"cuda", "tpu") run on one buffer per layer
-    (``split_layers``) rather than on stacked layers in a scan."""
-    if platform in ("gpu", "cuda"):
-        return True
-    return not sharded and num_layers <= PER_LAYER_MAX_LAYERS
-
-
-def room_to_split(tree) -> bool:
-    """Whether ``tree`` (arrays on this process's devices) can be split: stacked and split copies together fit
-    ``SPLIT_MEMORY_FRACTION`` of the fullest device's memory limit (True where the backend reports no limit)."""
-    leaves = [a for a in jax.tree.leaves(tree) if hasattr(a, "addressable_shards")]
-    if not leaves:
-        return True
-    held: dict = {}
-    for a in leaves:
-        for sh in a.addressable_shards:
-            held[sh.device] = held.get(sh.device, 0) + sh.data.nbytes
-    for dev, used in held.items():
-        limit = (dev.memory_stats() or {}).get("bytes_limit")
-        if limit and 2 * used > SPLIT_MEMORY_FRACTION * limit:
-            return False
-    return True
-
-
-def split_layers(stack):
-    """A stacked layer tree (leading layer axis on every leaf) -> a tuple of per-layer trees (own buffers).
-    Abstract leaves (``jax.ShapeDtypeStruct``, for lowering without weights) split into abstract layers with the
-    stacked sharding less its layer entry."""
-    leaves = jax.tree.leaves(stack)
-    n = leaves[0].shape[0]
-    if isinstance(leaves[0], jax.ShapeDtypeStruct):
-        def one(a):
-            s = a.sharding
-            if s is not None:
-                s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
-            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=s)
-        return tuple(jax.tree.map(one, stack) for _ in range(n))
-    return tuple(jax.jit(lambda s, i=i: jax.tree.map(lambda a: a[i], s))(stack) for i in range(n))
 
 
 def layer_at(layers, i: int):

@@ -6,7 +6,7 @@ Routing (DeepSeek-V3 / K2): sigmoid scores in float32; the correction bias is ad
 scaled by routed_scaling_factor. The shared expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
-[E, in, out] matrices, or ``DenseExperts``) take the XLA path; INT4 experts (``ops.int4_format.Int4Experts``)
+[E, in, out] matrices, or the dense form ``compute_layout.DenseExperts``) take the XLA path; INT4 experts (``ops.int4_format.Int4Experts``)
 go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the Pallas kernel (``ops.select``).
 
 With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
@@ -17,16 +17,15 @@ one all-reduce per MoE block under ``tp``. The strategy's logical-axis rules liv
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime
+from kimi_jax.model.compute_layout import DenseExperts
 from kimi_jax.model.layers import swiglu
-from kimi_jax.model.params import layer_specs, map_experts
+from kimi_jax.model.params import layer_specs
 from kimi_jax.ops.int4_moe.api import int4_moe
 
 
@@ -48,34 +47,6 @@ def route(x, router, bias, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
-
-
-# With few experts per choice (E <= DENSE_EXPERTS_PER_CHOICE * k) float experts are evaluated densely: every
-# token through every expert, weighted by its routing coefficient (zero for unchosen experts). That is E/k
-# times the multiply-adds but no per-token weight gather, the faster side on a CPU up to about 8 (16 experts
-# top-2 at 32 tokens: dense 0.36 ms, gather 0.49 ms per layer). K2.6 (384/8 = 48) gathers.
-DENSE_EXPERTS_PER_CHOICE = 8
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DenseExperts:
-    """Float experts laid out for the dense form: gate/up input-major over all experts, so each is one
-    [d, E*f] matmul operand with no transpose (leading stacked-layer axes allowed)."""
-    gate: jax.Array   # [..., d, E, f]
-    up: jax.Array     # [..., d, E, f]
-    down: jax.Array   # [..., E, f, d]
-
-
-def to_compute_layout(experts: dict, cfg: ModelConfig, dense: bool | None = None):
-    """Float experts {gate, up: [.., E, d, f], down: [.., E, f, d]} -> the layout routed_experts runs fastest
-    (``dense`` forces the choice: training always takes the dense form, whose backward gathers nothing)."""
-    if dense is None:
-        dense = cfg.n_routed_experts <= DENSE_EXPERTS_PER_CHOICE * cfg.num_experts_per_tok
-    if not dense:
-        return experts
-    return DenseExperts(gate=jnp.swapaxes(experts["gate"], -3, -2), up=jnp.swapaxes(experts["up"], -3, -2),
-                        down=experts["down"])
 
 
 def float_routed_experts(x, ids, weights, experts):
@@ -187,31 +158,3 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
             y_shared = swiglu(x, shared["gate"], shared["up"], shared["down"])
         y = y + y_shared
     return y
-
-
-# ---- the layout the programs compute with ---------------------------------------------------------------------
-
-# The XLA path's INT4 experts are expanded once per loaded model when the float copy stays below this.
-FLOAT_EXPERTS_MAX_BYTES = 1 << 30
-
-
-def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
-    """The weights the generation programs compute with (made once per loaded model by kimi_jax.api).
-
-    On the XLA MoE path INT4 experts are unpacked inside every forward, once per touched expert: on a CPU that
-    unpacking, not the matmuls, was most of a decode step. When the float copy is small (the embedded default:
-    4.7 MB) it is made once, with exactly the INT4 values, so the programs only multiply; with few experts per
-    choice it is laid out for the dense form (``DenseExperts``). The Pallas path (GPU) keeps streaming INT4,
-    and large or sharded models keep the per-expert unpacking. These are the weights of the devices they live
-    on, so "auto" is read for this process's backend here (programs lowered for another target take abstract
-    weights, not these).
-    """
-    xla_here = rt.moe_impl == "xla" or (rt.moe_impl == "auto" and jax.default_backend() != "gpu")
-    if not cfg.int4_experts or not xla_here or rt.mesh is not None or not cfg.num_moe_layers:
-        return params
-    layers, dtype = params["moe_layers"], jnp.dtype(params["embed"].dtype)
-    experts = [layer["moe"]["experts"] for layer in (layers if isinstance(layers, tuple) else (layers,))]
-    if sum(e.w13.size + e.w2.size for e in experts) * 8 * dtype.itemsize > FLOAT_EXPERTS_MAX_BYTES:
-        return params
-    expand = jax.jit(lambda e: to_compute_layout(jax.tree.map(lambda a: a.astype(dtype), e.dequantize()), cfg))
-    return map_experts(params, lambda e: expand(jax.tree.map(jnp.asarray, e)))

@@ -84,7 +84,7 @@ def _int4_expert_specs(n, e, d, f):
 
 def map_experts(params, fn):
     """The params tree with its routed experts replaced by ``fn(experts)`` (everything else shared): the stacked
-    experts, or each layer's where the MoE layers are per-layer buffers (a tuple: ``layers.split_layers``)."""
+    experts, or each layer's where the MoE layers are per-layer buffers (a tuple: ``compute_layout.split_layers``)."""
     def one(layer):
         return {**layer, "moe": {**layer["moe"], "experts": fn(layer["moe"]["experts"])}}
     layers = params["moe_layers"]

@@ -3,14 +3,13 @@
 Weights are the nested dict declared in ``kimi_jax.model.params``. Layers of one kind are stacked on a leading
 axis and run with ``lax.scan``: the ``first_k_dense_replace`` dense SwiGLU layers in one stack, the MoE layers in
 another, so the 61-layer model compiles as two loop bodies. GPUs and small unsharded models decode from per-layer
-buffers instead: each stack a tuple of per-layer trees, as ``kimi_jax.load`` reads them there or ``compute_params``
-splits them (``kimi_jax.model.layers.run_layers``). One ``forward`` serves prefill, decode, tree verify
+buffers instead: each stack a tuple of per-layer trees (``kimi_jax.model.compute_layout`` says where and why;
+``kimi_jax.model.layers.run_layers`` runs either form). One ``forward`` serves prefill, decode, tree verify
 and training (which reads the expert loads it returns).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -20,7 +19,7 @@ from kimi_jax import cache as cache_lib
 from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model import mla, moe
-from kimi_jax.model.layers import own_buffers, rms_norm, room_to_split, run_layers, split_layers, swiglu, yarn_inv_freq
+from kimi_jax.model.layers import rms_norm, run_layers, swiglu, yarn_inv_freq
 from kimi_jax.model.moe import moe_block
 
 
@@ -62,31 +61,6 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
     with jax.named_scope("dense_mlp"):
         y = swiglu(h, m["gate"], m["up"], m["down"])
     return x + y, kv, None
-
-
-def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
-    """The weights the generation programs run on: ``moe.compute_params``'s expert layout and, where
-    ``kimi_jax.model.layers.own_buffers`` says so for this process's backend, every layer in its own buffers
-    (``split_layers``: XLA reads those in place where it copies a stacked layer's slice every step; the embedded
-    default's AR step on a CPU 0.36 -> 0.21 ms). Abstract weights (ShapeDtypeStructs) stay abstract."""
-    params = moe.compute_params(params, cfg, rt)
-    return split_stacks(params, cfg, own_buffers(cfg.num_hidden_layers, jax.default_backend(), rt.mesh is not None))
-
-
-def split_stacks(params, cfg: ModelConfig, split: bool = True):
-    """``params`` with both layer stacks split into per-layer buffers (``split_layers``) when ``split`` and there
-    is device memory to split in (``room_to_split``; else stacked, with a warning). Params loaded per layer
-    (``kimi_jax.load(..., layers="per-layer")``, the default where ``own_buffers`` holds) are already split."""
-    if not split or isinstance(params["moe_layers"], tuple):
-        return params
-    if not room_to_split(params):
-        warnings.warn(f"{cfg.name}: stacked and per-layer weights do not both fit the device, so the programs run "
-                      "the stacked layer scan, which copies each layer's weights every step "
-                      "(docs/gpu_overhead.md); kimi_jax.load(..., layers='per-layer') reads them into per-layer "
-                      "buffers without a stacked copy", stacklevel=2)
-        return params
-    return {**params, "dense_layers": split_layers(params["dense_layers"]),
-            "moe_layers": split_layers(params["moe_layers"])}
 
 
 class ForwardOut(NamedTuple):

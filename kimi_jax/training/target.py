@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.moe import to_compute_layout
+from kimi_jax.model.compute_layout import to_compute_layout
 from kimi_jax.model.params import with_experts
 from kimi_jax.model.transformer import causal_forward
 from kimi_jax.training import corpus
@@ -108,7 +108,7 @@ def train_forward(params, cfg: ModelConfig, tokens):
     """Causal forward over tokens [b, t] -> (logits [b, t, V] float32, expert loads [n_moe_layers, E]).
 
     The serving forward itself (full-form attention); the routed experts in the dense layout
-    (``moe.to_compute_layout``: every token through every expert, weighted by its routing coefficient), whose
+    (``compute_layout.to_compute_layout``: every token through every expert, weighted by its routing coefficient), whose
     backward has no per-token weight gathers, which are slow to differentiate on a CPU."""
     dense = to_compute_layout(params["moe_layers"]["moe"]["experts"], cfg, dense=True)
     out = causal_forward(with_experts(params, dense), cfg, tokens, attn_form="full")

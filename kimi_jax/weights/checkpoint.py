@@ -423,7 +423,7 @@ def stack_layers(cfg: ModelConfig, read_layer: Callable[[int, dict], dict], glob
 
     Each layer is placed onto its per-layer shardings. ``split=False``: written into its slot of the stacked
     arrays, which are allocated on device with the stacked shardings. ``split=True``: kept as it is, so each stack
-    is a tuple of per-layer trees (the form ``kimi_jax.model.layers.split_layers`` makes, for the programs that run
+    is a tuple of per-layer trees (the form ``kimi_jax.model.compute_layout.split_layers`` makes, for the programs that run
     one buffer per layer) and no stacked copy is ever allocated. A layer's host arrays are dropped before the next
     is read, so the host holds about one layer at a time."""
     specs = param_specs(cfg)
