@@ -71,7 +71,7 @@ def round_costs(model, prompts, new_tokens, repeats):
             program, _ = model.program(request)
             for limit in limits:
                 t0 = time.perf_counter()
-                state, _ = program(*model.program_args(request, costs=costs, force=force, max_rounds=limit))
+                state, _ = program(model.inputs(request, costs=costs, force=force, max_rounds=limit))
                 ran[name, limit] = int(state.rounds)           # waits for the program
                 best[name, limit] = min(best.get((name, limit), float("inf")), time.perf_counter() - t0)
     lo, hi = limits
@@ -106,14 +106,14 @@ def run_hf(model, prompts, new_tokens, python):
 
 def project_auto(model, prompts):
     """The auto policy under roofline costs of full K2.6 (TP-8) with this drafter's measured prior outlook."""
-    from kimi_jax.decoding import costs
+    from kimi_jax.decoding import auto, costs
     request = model.prepare([prompts[0]], 64, "ddtree", "auto")
     spec = request.spec
     prior = model.cost_table(request)[1]
     out = {}
     for hw in ("h200", "b300"):
         seconds = costs.projected_seconds(hw, spec.widths)
-        i = costs.best_width(np.stack([seconds, prior]))
+        i = auto.best_width(np.stack([seconds, prior]))
         out[hw] = dict(width=spec.widths[i], seconds_per_round=seconds.tolist(),
                        speedup_vs_ar=float(prior[i] / seconds[i] * seconds[0]))
     return out

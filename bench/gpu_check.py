@@ -20,7 +20,7 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    the call must read / time.
 5. ``round``: one DDTree round (draft, build_tree, verify, accept, commit) of a 3-layer K2.6 (the preset's real
    dims: 1 dense + 2 MoE layers, random INT4 experts) with a 1-layer drafter, per kernel choice, plain AR and
-   ddtree budget 16, at a 4096-slot cache: ms per round from ``engine.steady_rounds_program`` and the stage
+   ddtree budget 16, at a 4096-slot cache: ms per round from ``bench.steady.steady_rounds_program`` and the stage
    profile (bench/round_profile.py's instruction-to-stage map applied to a ``jax.profiler`` trace).
 
 How times are taken (``timed``): a warm-up call (its wall time, compile included, is ``first_call_s``), then N
@@ -568,9 +568,7 @@ def steady_state(model, request, lengths: int):
     zeros and with every row's committed length set to ``lengths``: steady rounds from a full cache without
     compiling and running a prefill (the round's work does not depend on the cache's values)."""
     from kimi_jax.decoding import engine
-    args = model.inputs(request.prompt, request.lens)
-    shapes, _ = jax.eval_shape(functools.partial(engine.prefill, spec=request.spec, max_new=request.max_new,
-                                                 max_len=request.max_len, pool_pages=request.pool_pages), *args)
+    shapes, _ = jax.eval_shape(functools.partial(engine.prefill, **request.statics), model.inputs(request))
 
     @jax.jit
     def make():
@@ -645,7 +643,6 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
     import kimi_jax
     from kimi_jax.config import Runtime, compile_options
     from kimi_jax.decoding import drafter as dflash
-    from kimi_jax.decoding import engine
 
     cfg, dcfg, dtype = round_setup(plan, ctx)
     rec.update(config=cfg.name, layers=cfg.num_hidden_layers, dense_layers=cfg.first_k_dense_replace,
@@ -655,7 +652,7 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
                             ffn=dcfg.intermediate_size, block_size=dcfg.block_size, taps=list(dcfg.target_layer_ids)),
                context_slots=plan.round_context,
                state="prefill's state shape, zeros, committed lengths = slots - nodes - 2 (no prefill run)",
-               method="engine.steady_rounds_program: ms/round = (T(r2) - T(r1)) / (r2 - r1), best of reps each; "
+               method="bench.steady.steady_rounds_program: ms/round = (T(r2) - T(r1)) / (r2 - r1), best of reps each; "
                       "stage ms = stage share of the traced run x ms/round")
     rows = rec.setdefault("rows", [])
     need = 15 if ctx["tiny"] else 60
@@ -691,7 +688,7 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
                     row["status"] = "skipped: budget"
                     continue
                 try:
-                    _one_round(model, cp, plan, row, budget, r1, r2, engine, graph_loops)
+                    _one_round(model, cp, plan, row, budget, r1, r2, graph_loops)
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600],
                                traceback=traceback.format_exc()[-1500:])
@@ -702,7 +699,8 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
     free(dparams)
 
 
-def _one_round(model, cp, plan, row, budget, r1, r2, engine, graph_loops=True):
+def _one_round(model, cp, plan, row, budget, r1, r2, graph_loops=True):
+    from bench.steady import steady_rounds_program
     from kimi_jax.config import compile_options
     method = "ar" if budget == 0 else "ddtree"
     prompt = [[1] * 16]
@@ -715,8 +713,7 @@ def _one_round(model, cp, plan, row, budget, r1, r2, engine, graph_loops=True):
     force = np.int32(len(request.spec.widths) - 1 if request.spec.widths else -1)
     t0 = time.perf_counter()
     options = compile_options(jax.default_backend(), model.runtime.replace(graph_loops=graph_loops))
-    compiled = engine.steady_rounds_program.lower(cp, dp, state, force, np.int32(1), spec=request.spec).compile(
-        options)
+    compiled = steady_rounds_program.lower(cp, dp, state, force, np.int32(1), spec=request.spec).compile(options)
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     run = lambda r: compiled(cp, dp, state, force, np.int32(r))  # noqa: E731
     t1, t2 = (timed(run, np.int32(r), reps=plan.reps) for r in (r1, r2))

@@ -61,14 +61,11 @@ def embedded_generate(target: str) -> list[dict]:
 
     model = kimi_jax.load(str(ROOT / "checkpoints" / "target"), drafter=str(ROOT / "checkpoints" / "drafter"))
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
-    args = list(model.program_args(request))
-    args[0] = split_stacks(model.params)                  # as stored: INT4 experts, per layer
-    args = jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
+    inputs = model.inputs(request).replace(params=split_stacks(model.params))   # as stored: INT4, per layer
+    inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     mesh = targets.compile_mesh(target, 1)
     with targets.lowering_for(mesh):
-        lowered = jax.jit(engine.generate_program, static_argnames=("spec", "max_new", "max_len", "pool_pages")
-                          ).lower(*args, spec=request.spec, max_new=request.max_new, max_len=request.max_len,
-                                  pool_pages=0)
+        lowered = jax.jit(engine.generate_program, static_argnames=engine.STATICS).lower(inputs, **request.statics)
     rows = []
     for graph_loops in (False, True):
         t0 = time.perf_counter()

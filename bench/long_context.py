@@ -5,7 +5,7 @@
 The tiny test config (``preset("tiny")``, 3 layers, hidden 64) with a 65,536-token context and random weights;
 prompts are random ids (the cost does not depend on the text). For each context C a (C - 100)-token prompt
 with a cache of C slots: prefill = the engine's prefill program (chunked); decode = AR steps from that state with
-``engine.steady_rounds_program`` (72 minus 8 steps, / 64), so prefill noise does not leak into the step time; each
+``bench.steady.steady_rounds_program`` (72 minus 8 steps, / 64), so prefill noise does not leak into the step time; each
 program is compiled and run once before it is timed. Memory: the prefill program's compiled temporaries and the
 latent cache. JSON to bench/results/long_context_<backend>.json, plot to
 docs/long_context.png. Numbers come from one run; decode reads every cache slot each step, so its cost grows
@@ -32,6 +32,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import kimi_jax
     from kimi_jax.config import Runtime, preset
+    from bench.steady import steady_rounds_program
     from kimi_jax.decoding import engine
     from kimi_jax.model.params import init_params
 
@@ -42,16 +43,15 @@ def main(argv=None):
     for ctx in a.contexts:
         prompt = [rng.integers(2, cfg.vocab_size, ctx - 100).tolist()]   # + 65 new: a cache of ctx slots
         request = model.prepare(prompt, 65, "ar")
-        args = model.inputs(request.prompt, request.lens)
-        prefill = jax.jit(engine.prefill, static_argnames=("spec", "max_new", "max_len")).lower(
-            *args, None, spec=request.spec, max_new=65, max_len=request.max_len).compile()
-        state, _ = prefill(*args, None)
+        inputs = model.inputs(request)
+        prefill = engine.prefill_program.lower(inputs, **request.statics).compile()
+        state, _ = prefill(inputs)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        state, _ = prefill(*args, None)
+        state, _ = prefill(inputs)
         jax.block_until_ready(state)
         t_prefill = time.perf_counter() - t0
-        steady = engine.steady_rounds_program.lower(model.compute_params, None, state, np.int32(-1), np.int32(1),
+        steady = steady_rounds_program.lower(model.compute_params, None, state, np.int32(-1), np.int32(1),
                                                     spec=request.spec).compile()
         per = {}
         for n in (8, 72):

@@ -4,7 +4,7 @@
 
 Method (XLA's profiler, not stage-subset programs): the round's steps run under ``jax.named_scope``
 (draft, build_tree, verify, accept, commit, choose_width). For each budget this script compiles
-``engine.steady_rounds_program`` (rounds from fixed committed lengths, so every round does the same work),
+``bench.steady.steady_rounds_program`` (rounds from fixed committed lengths, so every round does the same work),
 times R1 and R2 rounds to get the round's wall time, then records one run with ``jax.profiler`` and sums the
 *self* time of every executed HLO instruction, mapped to its stage through the ``op_name`` metadata of the
 compiled HLO. Stage milliseconds = the stage's share of profiled self time x the measured round time (the
@@ -100,9 +100,9 @@ def self_times(trace_dir: str) -> dict[str, float]:
 
 
 def profile_round(model, spec, state, dparams, rounds=(5, 25)) -> dict:
-    from kimi_jax.decoding import engine
+    from bench.steady import steady_rounds_program
     force = np.int32(len(spec.widths) - 1 if spec.widths else -1)
-    lowered = engine.steady_rounds_program.lower(model.compute_params, dparams, state, force, np.int32(1), spec=spec)
+    lowered = steady_rounds_program.lower(model.compute_params, dparams, state, force, np.int32(1), spec=spec)
     compiled = lowered.compile()
     run = lambda r: compiled(model.compute_params, dparams, state, force, np.int32(r))
     run(1)

@@ -7,11 +7,19 @@
 
 ``generate`` compiles one program per (method, budget, batch, bucketed lengths) ahead of time and runs the
 whole generation in a single dispatch; ``stream`` runs a fixed number of rounds per dispatch and yields the
-tokens each chunk accepted. Under both, for code that drives the engine itself (benchmarks, the notebook's tree
-plot, the server): ``prepare`` validates a request and lays it out (a ``Request``), ``resolve`` turns an auto
-request whose calibrated costs say trees lose into the plain AR request, ``prefill`` runs its first dispatch,
-``program``/``program_args`` are the whole-generation program and its arguments, ``cost_table`` the auto
-policy's costs.
+tokens each chunk accepted. Under both, the program API, for code that drives the engine itself (benchmarks,
+the notebook, the server):
+
+    request = model.prepare(prompt, 64, "ddtree", 16)    # validated and laid out: a Request
+    request = model.resolve(request)                     # auto: the AR request where calibrated trees lose
+    lowered = model.lower(request)                       # .compile(), .as_text(), cost and memory analysis
+    program, compile_s = model.program(request)          # compiled once per shape
+    state, nan = program(model.inputs(request, temperature=0.0, seed=0))   # one pytree of inputs
+    engine.generate_program.lower(inputs, **request.statics)   # the same program for any inputs (another mesh,
+                                                                # abstract weights)
+
+``prefill`` runs a request's first dispatch (``stream`` continues it with ``engine.chunk_program``);
+``cost_table`` is the auto policy's calibrated costs.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ import numpy as np
 from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache, pool_size
 from kimi_jax.config import ModelConfig, Runtime, compile_options
+from kimi_jax.decoding import auto, engine
+from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import drafter as dflash
-from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.compute_layout import compute_params, own_buffers
 from kimi_jax.model.transformer import chunked_forward, full_logits
@@ -53,6 +62,11 @@ class Request:
     @property
     def layout(self) -> tuple[int, int]:
         return self.max_len, self.pool_pages
+
+    @property
+    def statics(self) -> dict:
+        """The static arguments of the engine's programs for this request: ``spec`` and the cache layout."""
+        return dict(spec=self.spec, max_new=self.max_new, max_len=self.max_len, pool_pages=self.pool_pages)
 
 
 @dataclasses.dataclass
@@ -159,8 +173,8 @@ class Model:
                                   "(or is below 2)")
         if method == "dflash":
             budget = block - 1
-        elif budget is None:          # ddtree's default: the cost-model policy over engine.AUTO_WIDTHS
-            widths = engine.AUTO_WIDTHS
+        elif budget is None:          # ddtree's default: the cost-model policy over auto.AUTO_WIDTHS
+            widths = auto.AUTO_WIDTHS
             return engine.Spec(self.config, method, max(widths), temperature > 0, self.drafter.config, block, widths,
                                rt=self.runtime)
         return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block,
@@ -211,12 +225,11 @@ class Model:
     def resolve(self, request: Request) -> Request:
         """The request as it should run. An auto ddtree request (``spec.widths``) whose calibrated cost table
         (``cost_table``: this request's batch size and cache slots) says no tree width can pay
-        (``kimi_jax.decoding.costs.drafter_off``) becomes the request ``prepare`` makes for ``method="ar"``: the
+        (``kimi_jax.decoding.auto.drafter_off``) becomes the request ``prepare`` makes for ``method="ar"``: the
         AR program, with no drafter prefill, no feature taps and no per-round plan, and ``drafter_off`` set. Any
         other request comes back as it is. The first call of a table's key calibrates it (``cost_table``)."""
-        from kimi_jax.decoding import costs
         spec = request.spec
-        if not spec.widths or not costs.drafter_off(self.cost_table(request)):
+        if not spec.widths or not auto.drafter_off(self.cost_table(request)):
             return request
         ar = self.spec("ar", None, 1.0 if spec.sample else 0.0)        # the same sampling, no drafter
         max_len, pool = self._layout(ar, request.lens, request.max_new)
@@ -236,13 +249,29 @@ class Model:
             raise GenerationError(f"a cache of {max_len} positions for {rows} rows needs {need / 2**30:.2f} GiB but "
                                   f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
-    def inputs(self, prompt, lens, temperature: float = 0.0, seed: int = 0) -> tuple:
-        """The arguments every engine program starts with: compute params, drafter params, prompt [b, t],
-        lengths [b], temperature, seed."""
+    def inputs(self, request: Request, temperature: float = 0.0, seed: int = 0, costs="calibrated",
+               force: int = -1, max_rounds: int | None = None) -> engine.Inputs:
+        """The run-time inputs of the request's programs as one pytree (``engine.Inputs``): compute params,
+        drafter params, prompt, lengths, temperature, seed; for auto requests the cost table ("calibrated":
+        ``cost_table``, measured on first use; or a [2, len(widths)] array), a forced width index (-1: the policy
+        chooses) and a round limit (None: until done)."""
         fields.check(temperature=temperature, seed=seed)
+        if isinstance(costs, str):
+            costs = self._costs_arg(request)
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
-        return (self.compute_params, self.drafter_params, np.asarray(prompt, np.int32), np.asarray(lens, np.int32),
-                np.float32(max(temperature, 1e-6)), np.uint32(seed))
+        return engine.Inputs(
+            params=self.compute_params, drafter_params=self.drafter_params,
+            prompt=np.asarray(request.prompt, np.int32), lens=np.asarray(request.lens, np.int32),
+            temperature=np.float32(max(temperature, 1e-6)), seed=np.uint32(seed),
+            costs=None if costs is None else np.asarray(costs, np.float32), force=np.int32(force),
+            max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds))
+
+    def lower(self, request: Request) -> jax.stages.Lowered:
+        """The whole-generation program lowered for the request's shapes (and this model's mesh):
+        ``.compile()``, ``.as_text()``, ``.compile().memory_analysis()`` / ``cost_analysis()``."""
+        with sharding.mesh_context(self.mesh):
+            return engine.generate_program.lower(self.inputs(request, costs=_blank_costs(request.spec)),
+                                                 **request.statics)
 
     def _compiled(self, key, lower):
         """-> (the program ``lower()`` lowers, compiled once per key with the platform's ``compile_options``; the
@@ -256,23 +285,16 @@ class Model:
 
     def program(self, request: Request):
         """-> (the compiled whole-generation program for the request's shapes, seconds it took to compile);
-        compiled once per (spec, prompt shape, max_new, cache layout). Call it on ``program_args``."""
-        spec = request.spec
-        blank = dataclasses.replace(request, lens=np.ones_like(request.lens))
-        return self._compiled(
-            ("generate", spec, request.prompt.shape, request.max_new, request.layout),
-            lambda: engine.generate_program.lower(*self.program_args(blank, costs=_blank_costs(spec)), spec=spec,
-                                                  max_new=request.max_new, max_len=request.max_len,
-                                                  pool_pages=request.pool_pages))
+        compiled once per (spec, prompt shape, max_new, cache layout). Call it on ``inputs(request, ...)``."""
+        return self._compiled(("generate", request.spec, request.prompt.shape, request.max_new, request.layout),
+                              lambda: self.lower(request))
 
     def _prefill_program(self, request: Request):
         """-> (engine.prefill_program compiled for the request's shapes, seconds it took to compile)."""
-        spec = request.spec
         return self._compiled(
-            ("prefill", spec, request.prompt.shape, request.max_new, request.layout),
-            lambda: engine.prefill_program.lower(*self.inputs(request.prompt, request.lens), _blank_costs(spec),
-                                                 spec=spec, max_new=request.max_new, max_len=request.max_len,
-                                                 pool_pages=request.pool_pages))
+            ("prefill", request.spec, request.prompt.shape, request.max_new, request.layout),
+            lambda: engine.prefill_program.lower(self.inputs(request, costs=_blank_costs(request.spec)),
+                                                 **request.statics))
 
     def _chunk_program(self, request: Request, rounds: int):
         """-> (engine.chunk_program of ``rounds`` rounds, compiled for the state the request's prefill makes,
@@ -284,38 +306,30 @@ class Model:
             lambda: engine.chunk_program.lower(self.compute_params, self.drafter_params, state, _blank_costs(spec),
                                                spec=spec, rounds=rounds))
 
-    def program_args(self, request: Request, temperature: float = 0.0, seed: int = 0, costs=None, force: int = -1,
-                     max_rounds: int | None = None) -> tuple:
-        """Arguments of the generation program: ``inputs``, the auto cost table (``cost_table``; None for fixed
-        methods), a forced width index (-1: the policy chooses), a round limit (None: until done)."""
-        return self.inputs(request.prompt, request.lens, temperature, seed) + (
-            costs, np.int32(force), np.int32(2 ** 30 if max_rounds is None else max_rounds))
-
     def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
         """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
         engine.chunk_program."""
         program, _ = self._prefill_program(request)
-        return program(*self.inputs(request.prompt, request.lens, temperature, seed), self._costs_arg(request))
+        return program(self.inputs(request, temperature, seed))
 
     def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
         backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
-        from kimi_jax.decoding import costs
         spec = request.spec
-        key = costs.table_key(spec, request.prompt.shape[0], request.max_len)
+        key = costs_lib.table_key(spec, request.prompt.shape[0], request.max_len)
         if key not in self._costs:
-            table = costs.load(key)
+            table = costs_lib.load(key)
             if table is None or table.shape[1] != len(spec.widths):
                 program, _ = self.program(request)
                 ones = np.ones((2, len(spec.widths)), np.float32)
 
                 def run(force, limit):
-                    state, _ = program(*self.program_args(request, costs=ones, force=force, max_rounds=limit))
-                    rounds, outlook = jax.device_get((state.rounds, state.outlook))
+                    state, _ = program(self.inputs(request, costs=ones, force=force, max_rounds=limit))
+                    rounds, outlook = jax.device_get((state.rounds, state.policy.outlook))
                     return int(rounds), outlook / request.prompt.shape[0]
 
-                table = costs.measure(run, len(spec.widths))
-                costs.save(key, table, spec.widths)
+                table = costs_lib.measure(run, len(spec.widths))
+                costs_lib.save(key, table, spec.widths)
             self._costs[key] = table
         return self._costs[key]
 
@@ -338,11 +352,11 @@ class Model:
         ``resolve``) or "none" (method ar)."""
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         program, compile_s = self.program(request)
-        costs = self._costs_arg(request)
+        inputs = self.inputs(request, temperature, seed)
         t0 = time.perf_counter()
-        state, nan = program(*self.program_args(request, temperature, seed, costs))
-        n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.accepted, state.width,
-                                                              state.rounds))
+        state, nan = program(inputs)
+        n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.stats.accepted,
+                                                              state.stats.width, state.rounds))
         elapsed = time.perf_counter() - t0
         _check_finite(nan)
         return self._result(request, out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1)
@@ -367,12 +381,12 @@ class Model:
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
         the caller's time between items)."""
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
-        costs = self._costs_arg(request)
+        inputs = self.inputs(request, temperature, seed)
         prefill, prefill_s = self._prefill_program(request)
         chunk_rounds, chunk_s = self._chunk_program(request, rounds_per_dispatch)
         rows = len(request.lens)
         busy, t0 = 0.0, time.perf_counter()
-        state, nan = prefill(*self.inputs(request.prompt, request.lens, temperature, seed), costs)
+        state, nan = prefill(inputs)
         dispatches, seen = 1, np.zeros(rows, np.int64)
         while True:
             n_out, out, done = jax.device_get((state.n_out, state.out, state.done))
@@ -384,11 +398,11 @@ class Model:
                 t0 = time.perf_counter()
             if done.all() or bool(nan):
                 break
-            state, bad = chunk_rounds(self.compute_params, self.drafter_params, state, costs)
+            state, bad = chunk_rounds(inputs.params, inputs.drafter_params, state, inputs.costs)
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)
-        accepted, width, rounds = jax.device_get((state.accepted, state.width, state.rounds))
+        accepted, width, rounds = jax.device_get((state.stats.accepted, state.stats.width, state.rounds))
         busy += time.perf_counter() - t0
         yield self._result(request, out, n_out, accepted, width, int(rounds), busy, prefill_s + chunk_s, dispatches)
 

@@ -8,7 +8,7 @@ import pytest
 import kimi_jax
 from kimi_jax.cache import KVCache, init_cache
 from kimi_jax.config import preset
-from kimi_jax.decoding import costs, ddtree, engine
+from kimi_jax.decoding import auto, ddtree, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import init_params
@@ -216,19 +216,19 @@ def _tokens(state):
 
 
 def test_drafter_off_rule():
-    """costs.drafter_off compares the best tree width's prior tokens/s with the AR step's, with HOPELESS_MARGIN
+    """auto.drafter_off compares the best tree width's prior tokens/s with the AR step's, with HOPELESS_MARGIN
     of slack for the tree."""
     seconds = [1.0, 2.0, 4.0]                       # AR: 1 token/s; width 1: prior / 2 tokens/s (the best tree)
-    edge = 2.0 / costs.HOPELESS_MARGIN
+    edge = 2.0 / auto.HOPELESS_MARGIN
     for prior, off in ((2.5, False), (1.01 * edge, False), (0.99 * edge, True), (1.0, True)):
-        assert costs.drafter_off([seconds, [1.0, prior, prior]]) == off, prior
+        assert auto.drafter_off([seconds, [1.0, prior, prior]]) == off, prior
 
 
 def test_auto_runs_the_ar_program_where_trees_lose(model, ar_tokens, monkeypatch):
     """Where the calibrated table says no tree can pay, generate and stream run the ar request's very program:
     no drafter prefill or state, AR's tokens, and stats that say so. A table where trees can pay keeps the
     request as it is."""
-    n = len(engine.AUTO_WIDTHS)
+    n = len(auto.AUTO_WIDTHS)
     hopeless = np.stack([[1.0] + [100.0] * (n - 1), np.ones(n)])
     monkeypatch.setattr(model, "cost_table", lambda request: hopeless)
     ar = model.prepare(PROMPTS, 24, "ar")
@@ -246,8 +246,8 @@ def test_auto_runs_the_ar_program_where_trees_lose(model, ar_tokens, monkeypatch
     assert [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))] == ar_tokens
     hopeful = np.stack([[1.0] + [1.1] * (n - 1), np.asarray([1.0] + [2.0] * (n - 1))])
     monkeypatch.setattr(model, "cost_table", lambda request: hopeful)
-    auto = model.prepare(PROMPTS, 24)
-    assert model.resolve(auto) is auto
+    request = model.prepare(PROMPTS, 24)
+    assert model.resolve(request) is request
 
 
 def test_stream_times_decoding_not_compiling(target, ar_tokens):
@@ -273,29 +273,29 @@ def test_every_auto_width_gives_ar_tokens(model, ar_tokens, patch_draft, monkeyp
     model = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
     request, program = _auto_program(model, PROMPTS, 24)
     spec = request.spec
-    assert spec.widths == engine.AUTO_WIDTHS and spec.nodes == max(engine.AUTO_WIDTHS)
+    assert spec.widths == auto.AUTO_WIDTHS and spec.nodes == max(auto.AUTO_WIDTHS)
     n = len(spec.widths)
     flat = np.ones((2, n), np.float32)
     for force in range(n):
-        state, _ = program(*model.program_args(request, costs=flat, force=force))
+        state, _ = program(model.inputs(request, costs=flat, force=force))
         assert _tokens(state) == ar_tokens, f"width {spec.widths[force]}"
-        widths = np.asarray(state.width)[:int(state.rounds)]
+        widths = np.asarray(state.stats.width)[:int(state.rounds)]
         assert set(widths.tolist()) == {spec.widths[force]}
     # Trees nearly free: after the first (prior-planned) round every round drafts and verifies a tree.
     cheap = np.stack([np.asarray([1.0] + [0.01] * (n - 1)), np.asarray([1.0] + [2.0] * (n - 1))]).astype(np.float32)
-    state, _ = program(*model.program_args(request, costs=cheap))
+    state, _ = program(model.inputs(request, costs=cheap))
     assert _tokens(state) == ar_tokens
-    assert (np.asarray(state.width)[:int(state.rounds)] > 0).all()
+    assert (np.asarray(state.stats.width)[:int(state.rounds)] > 0).all()
     # Trees far dearer than AR, and a prior that says so: AR steps, a probe only every PROBE_RATIO x cost.
     dear = np.stack([np.asarray([1.0] + [100.0] * (n - 1)), np.ones(n)]).astype(np.float32)
-    state, _ = program(*model.program_args(request, costs=dear))
+    state, _ = program(model.inputs(request, costs=dear))
     assert _tokens(state) == ar_tokens
-    assert (np.asarray(state.width)[:int(state.rounds)] == 0).all()
+    assert (np.asarray(state.stats.width)[:int(state.rounds)] == 0).all()
     # Trees slightly dearer (a probe after 11 AR steps): generate with a prior within HOPELESS_MARGIN keeps the
     # drafter on and probes; with one beyond it, the call runs the AR program (no drafter, no probe).
     for prior, probes in ((0.95 * 1.1, True), (0.6 * 1.1, False)):
         table = np.stack([np.asarray([1.0] + [1.1] * (n - 1)), np.asarray([1.0] + [prior] * (n - 1))])
-        assert costs.drafter_off(table) != probes
+        assert auto.drafter_off(table) != probes
         monkeypatch.setattr(model, "cost_table", lambda request, table=table: table)
         out = model.generate(PROMPTS, 24)
         assert out.tokens == ar_tokens
@@ -327,7 +327,7 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
 def test_expected_tokens_is_the_surrogate_sum():
     logits = jax.random.normal(jax.random.key(3), (2, 4, 7)) * 2
     tree = ddtree.build_tree(jnp.asarray([1, 2]), logits, 9)
-    got = np.asarray(engine.expected_tokens(tree, (0, 1, 5, 9)))
+    got = np.asarray(auto.expected_tokens(tree, (0, 1, 5, 9)))
     p = np.exp(np.asarray(tree.scores[:, 1:], np.float64))
     want = np.stack([np.ones(2), 1 + p[:, :1].sum(1), 1 + p[:, :5].sum(1), 1 + p[:, :9].sum(1)], 1)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -335,3 +335,13 @@ def test_expected_tokens_is_the_surrogate_sum():
     small = ddtree.build_tree(jnp.asarray([1, 2]), logits, 5)
     for a, b in zip(ddtree.truncate(tree, 5), small):
         np.testing.assert_array_equal(a, b)
+
+
+def test_every_request_method_has_its_round_steps():
+    """The methods a request may name (``fields.METHODS``: API, CLI, server) are exactly those with steps."""
+    from kimi_jax.decoding import methods
+    from kimi_jax.fields import METHODS
+    assert set(methods.BY_NAME) == set(METHODS)
+    for name, method in methods.BY_NAME.items():
+        spec = engine.Spec(CFG, name, 0 if name == "ar" else 7, drafter_cfg=DCFG, block_size=8)
+        assert method.uses_drafter == (name != "ar") and method.draft_len(spec) == (0 if name == "ar" else 7)

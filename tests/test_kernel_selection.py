@@ -32,17 +32,16 @@ def _generate_program(impl: str):
     rt = kimi_jax.Runtime(moe_impl=impl, attn_impl=impl)
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt)
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
-    args = list(model.program_args(request))
-    args[0] = compute_params(model.params, model.config, rt.replace(moe_impl="pallas"))   # INT4 experts kept
-    args = _abstract(tuple(args))
-    lower = jax.jit(engine.generate_program, static_argnames=("spec", "max_new", "max_len", "pool_pages")).lower
+    inputs = model.inputs(request).replace(
+        params=compute_params(model.params, model.config, rt.replace(moe_impl="pallas")))   # INT4 experts kept
+    inputs = _abstract(inputs)
+    lower = jax.jit(engine.generate_program, static_argnames=engine.STATICS).lower
 
     def lowered(mesh):
-        kw = dict(spec=request.spec, max_new=request.max_new, max_len=request.max_len, pool_pages=0)
         if mesh is None:
-            return lower(*args, **kw)
+            return lower(inputs, **request.statics)
         with targets.lowering_for(mesh):
-            return lower(*args, **kw)
+            return lower(inputs, **request.statics)
     return lowered
 
 

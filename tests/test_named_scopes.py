@@ -7,7 +7,6 @@ import re
 import pytest
 
 import kimi_jax
-from kimi_jax.decoding import engine
 
 from conftest import FIXTURES
 
@@ -22,9 +21,7 @@ MODEL_PARTS = ("embed", "attention", "norm", "router", "experts", "shared_expert
 def test_every_model_part_names_its_ops():
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
-    lowered = engine.generate_program.lower(*model.program_args(request), spec=request.spec,
-                                            max_new=request.max_new, max_len=request.max_len,
-                                            pool_pages=request.pool_pages)
+    lowered = model.lower(request)
     op_names = re.findall(r'op_name="([^"]*)"', lowered.as_text(dialect="hlo", debug_info=True))
     scopes = {part for name in op_names for part in name.split("/")}
     assert set(MODEL_PARTS) <= scopes, sorted(set(MODEL_PARTS) - scopes)

@@ -95,12 +95,12 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     dparams = None if dcfg is None else dflash.compute_params(jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),
         is_leaf=lambda x: isinstance(x, tuple)), mesh, split)
-    prompt = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
-    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    inputs = engine.Inputs(params, dparams, prompt=jax.ShapeDtypeStruct((batch, 16), jnp.int32),
+                           lens=jax.ShapeDtypeStruct((batch,), jnp.int32),
+                           temperature=jax.ShapeDtypeStruct((), jnp.float32),
+                           seed=jax.ShapeDtypeStruct((), jnp.uint32))
     with part.mesh_context(mesh):
-        state, _ = jax.eval_shape(functools.partial(engine.prefill, spec=spec, max_new=64, max_len=context),
-                                  params, dparams, prompt, lens, scalar, jax.ShapeDtypeStruct((), jnp.int32))
+        state, _ = jax.eval_shape(functools.partial(engine.prefill, spec=spec, max_new=64, max_len=context), inputs)
         cs = part.cache_sharding(cfg, mesh, strategy, batch=batch)
         shardings = jax.tree.map(lambda _: rep, state).replace(cache=cs)
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)

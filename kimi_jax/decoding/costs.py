@@ -2,7 +2,8 @@
 
 Next to the costs the table keeps a prior outlook (expected tokens per row at each width, from the drafter's
 node probabilities in the calibration runs), on which the first round of a generation is planned, and on which
-the host decides whether a call runs its drafter at all (``drafter_off``; ``kimi_jax.api.Model.resolve``).
+the host decides whether a call runs its drafter at all. The policy that reads the table is
+``kimi_jax.decoding.auto``.
 
 A round's cost is calibrated on the backend that serves it, once per (model, drafter, widths, batch, cache
 slots, kimi_jax source: a change to the programs changes their cost): the very generation program that serves
@@ -122,25 +123,3 @@ def projected_seconds(hardware: str, widths, context: int = 4096) -> np.ndarray:
     from kimi_jax.analysis.roofline import design_projection
     rows = design_projection((hardware,), widths=tuple(w + 1 for w in widths), context=context)
     return monotone([r.total_s for r in next(iter(rows.values()))])
-
-
-# A call leaves the drafter off (it runs the ``ar`` program: no drafter prefill, no feature taps, no per-round
-# plan) when even the calibrated prior outlook makes the best tree width this many times slower, in tokens per
-# second, than the AR step. The margin is slack for a prior that undersells the text at hand: within it the
-# drafter stays on and the per-round policy can still pick trees on text that drafts better than the prior. It
-# is not the tax of staying on (a width-0 round of the auto program, with its taps and feature commit, costs
-# more than a plain AR step: docs/round_cost.md), which a call within the margin pays while its AR steps win.
-HOPELESS_MARGIN = 1.2
-
-
-def drafter_off(table) -> bool:
-    """Whether, by a cost table [2, n] (widths[0] = 0, the AR step), no tree width comes within
-    HOPELESS_MARGIN of the AR step's expected tokens per second: then the call should not run the drafter."""
-    table = np.asarray(table, np.float64)
-    rate = table[1] / table[0]                    # prior expected tokens per row per second
-    return bool(np.max(rate[1:]) * HOPELESS_MARGIN < rate[0])
-
-
-def best_width(table) -> int:
-    """Index of the width with the most expected tokens per second under a table [2, n]."""
-    return int(np.argmax(np.asarray(table[1]) / np.asarray(table[0])))

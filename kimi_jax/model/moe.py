@@ -6,8 +6,9 @@ Routing (DeepSeek-V3 / K2): sigmoid scores in float32; the correction bias is ad
 scaled by routed_scaling_factor. The shared expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
-[E, in, out] matrices, or the dense form ``compute_layout.DenseExperts``) take the XLA path; INT4 experts (``ops.int4_format.Int4Experts``)
-go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the Pallas kernel (``ops.select``).
+[E, in, out] matrices, or the dense form ``compute_layout.DenseExperts``) take the XLA path; INT4 experts
+(``ops.int4_format.Int4Experts``) go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the
+Pallas kernel (``ops.select``). Which form a backend gets is ``kimi_jax.model.compute_layout``'s choice.
 
 With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
 ``jax.shard_map``: every device computes its local experts (EP: ids held elsewhere get weight 0) on its slice of

@@ -3,9 +3,9 @@ leave between dispatches.
 
 One thread owns the device. Each turn of its loop it
 1. admits waiting requests into free slots: the prompt is prefilled alone (batch 1, the same cache length and
-   output length as the batch) and ``engine.join`` writes that row into the running batch state;
+   output length as the batch) and ``join`` writes that row into the running batch state;
 2. delivers every slot's new tokens to its request and retires finished slots (eos, max_tokens, a stop string
-   or a disconnect seen by the HTTP side): ``engine.retire`` marks them done, so they stop emitting;
+   or a disconnect seen by the HTTP side): ``retire`` marks them done, so they stop emitting;
 3. runs ``rounds_per_dispatch`` rounds of the whole batch in one dispatch (``engine.chunk_program``).
 A slot freed in step 2 is reused in step 1 of the next turn; the other rows never stop.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -38,11 +39,36 @@ import numpy as np
 
 from kimi_jax import sharding
 from kimi_jax.api import Model, Request, bucket
+from kimi_jax.cache import KVCache
 from kimi_jax.decoding import engine
-from kimi_jax.decoding.engine import GenerationError
+from kimi_jax.decoding.engine import GenerationError, State
 
 
 log = logging.getLogger("kimi_jax.serve")
+
+
+# ---- rows join and leave a running batch between dispatches -------------------------------------------------
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def join(state: State, row: State, slot) -> State:
+    """Batch row ``slot`` of ``state`` becomes the one-row state ``row`` (a fresh prefill with the same max_len
+    and max_new): its caches, bonus, output and per-round statistics. The batch-wide fields (round counter, key,
+    temperature, the auto policy's memory) stay the batch's."""
+    def put(a, r, axis):
+        return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis)
+
+    drafter = None if state.drafter is None else jax.tree.map(lambda a, r: put(a, r, 1), state.drafter, row.drafter)
+    return state.replace(cache=KVCache(kv=put(state.cache.kv, row.cache.kv, 1),
+                                       lengths=put(state.cache.lengths, row.cache.lengths, 0)),
+                         drafter=drafter, bonus=put(state.bonus, row.bonus, 0), out=put(state.out, row.out, 0),
+                         n_out=put(state.n_out, row.n_out, 0), done=put(state.done, row.done, 0),
+                         stats=state.stats.replace(accepted=put(state.stats.accepted, row.stats.accepted, 0)))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def retire(state: State, rows) -> State:
+    """Mark rows [b] (bool) done: their slots stop emitting, and a batch with every row done runs no round."""
+    return state.replace(done=state.done | rows)
 
 
 class QueueFull(RuntimeError):
@@ -190,8 +216,8 @@ class Batcher:
             state = self._blank(sample)
             for t in self.buckets:
                 row = self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0)
-                state = engine.join(state, row, np.int32(0))
-            state = engine.retire(state, np.ones(self.max_batch, bool))
+                state = join(state, row, np.int32(0))
+            state = retire(state, np.ones(self.max_batch, bool))
             self._dispatch(state, sample)
         off = " (drafter off: the calibrated costs say trees lose at this batch size)" if self.drafter_off else ""
         log(f"compiled {2 * len(self.buckets) + 2} programs for {self.max_batch} slots, prompts up to "
@@ -222,20 +248,21 @@ class Batcher:
         t = next(b for b in self.buckets if b >= len(ids))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, :len(ids)] = ids
-        args = self.model.inputs(prompt, np.asarray([len(ids)], np.int32), temperature, seed)
-        spec, costs = self._program(sample)
-        with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.prefill_program(*args, costs, spec=spec, max_new=self.max_new, max_len=self.max_len)
-        return state
+        return self._run_prefill(prompt, np.asarray([len(ids)], np.int32), sample, temperature, seed)
 
     def _blank(self, sample, temperature=1.0, seed=0):
         """A batch state with every slot free (done)."""
         prompt = np.ones((self.max_batch, self.buckets[0]), np.int32)
-        args = self.model.inputs(prompt, np.ones(self.max_batch, np.int32), temperature, seed)
+        state = self._run_prefill(prompt, np.ones(self.max_batch, np.int32), sample, temperature, seed)
+        return retire(state, np.ones(self.max_batch, bool))
+
+    def _run_prefill(self, prompt, lens, sample, temperature, seed):
+        """The engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len)."""
         spec, costs = self._program(sample)
+        request = Request(spec, prompt, lens, self.max_new, self.max_len)
         with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.prefill_program(*args, costs, spec=spec, max_new=self.max_new, max_len=self.max_len)
-        return engine.retire(state, np.ones(self.max_batch, bool))
+            state, _ = engine.prefill_program(self.model.inputs(request, temperature, seed, costs), **request.statics)
+        return state
 
     def _dispatch(self, state, sample):
         spec, costs = self._program(sample)
@@ -313,7 +340,7 @@ class Batcher:
             # a new batch: the temperature and the key are the batch's (greedy batches are reused)
             state, group = self._blank(sample, max(temperature, 1e-6), req.seed), req.group
         row = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
-        return engine.join(state, row, np.int32(slot)), group
+        return join(state, row, np.int32(slot)), group
 
     def _deliver(self):
         if self._state is None:
@@ -339,7 +366,7 @@ class Batcher:
                 self._slots[i] = None
         if leaving.any():
             try:
-                self._state = engine.retire(self._state, leaving)
+                self._state = retire(self._state, leaving)
             except Exception:   # the leavers are answered; their rows run on unseen until a join overwrites them
                 if _consumed(self._state):
                     raise               # retire had taken the batch's buffers (donated): the batch is lost

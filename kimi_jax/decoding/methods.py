@@ -1,0 +1,75 @@
+"""The decoding methods, each as the two steps of a round that differ between them: ``draft`` and ``build_tree``.
+
+Verify, accept and commit are the same for every method (``kimi_jax.decoding.engine``): a method is known by
+which tree it hands them.
+
+* ``ar``:     no drafter; the tree is the root alone, so a round is one ordinary decode step;
+* ``dflash``: the DFlash drafter's argmax block as a single path (chain verification);
+* ``ddtree``: the best-first tree of the most probable prefixes under the drafter's marginals (``spec.nodes``
+  nodes; with ``spec.widths``, the auto policy verifies one of its best-first prefixes).
+
+A method reads from the program's static ``Spec`` (block size, nodes, drafter config) and from the round's
+state (bonus token, committed lengths, drafter feature cache); it holds nothing itself.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kimi_jax.decoding import ddtree
+from kimi_jax.decoding import drafter as dflash
+
+
+class AR:
+    """Plain autoregressive decoding: one token per round, no drafter."""
+    uses_drafter = False
+
+    def draft_len(self, spec) -> int:
+        """Draft positions a round can accept beyond the root."""
+        return 0
+
+    def taps(self, spec) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (kept by every target forward)."""
+        return ()
+
+    def draft(self, params, drafter_params, spec, state):
+        return None
+
+    def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
+        return ddtree.root_only(state.bonus, 0)
+
+
+class DFlash(AR):
+    """The drafter's block, argmax at every position, verified as one chain."""
+    uses_drafter = True
+
+    def draft_len(self, spec) -> int:
+        return spec.block_size - 1
+
+    def taps(self, spec) -> tuple[int, ...]:
+        return tuple(spec.drafter_cfg.target_layer_ids)
+
+    def draft_depth(self, spec) -> int:
+        return self.draft_len(spec)
+
+    def draft(self, params, drafter_params, spec, state):
+        """The drafter's logits [b, L, vocab] for the L tokens after each row's bonus."""
+        return dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
+                            state.cache.lengths, spec.block_size, depth=self.draft_depth(spec))
+
+    def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
+        return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
+
+
+class DDTree(DFlash):
+    """The best-first tree of ``spec.nodes`` nodes under the drafter's per-position marginals."""
+
+    def draft_depth(self, spec) -> int:
+        # A tree of N nodes reaches depth N at most: deeper draft positions are never read.
+        return min(self.draft_len(spec), spec.nodes)
+
+    def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
+        return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
+
+
+BY_NAME = {"ar": AR(), "dflash": DFlash(), "ddtree": DDTree()}
