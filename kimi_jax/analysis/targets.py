@@ -5,7 +5,10 @@ file's header names the repository, path and commit); jax's cuda plugin compiles
 (sm_90a for H100/H200, sm_100a B200, sm_103a B300, sm_120 RTX PRO 6000). A TPU target is a libtpu topology
 (``v5e:2x2``); libtpu compiles for it with no TPU present. Per-device facts (memory, compute capability, SMs)
 are read from the spec text, never typed a second time. (The five specs match the copies built into
-jax-cuda12-plugin 0.12.0.1 but for driver/toolkit/cuDNN version strings; checked by hand.)
+jax-cuda12-plugin 0.12.0.1 but for driver/toolkit/cuDNN version strings, checked by hand, and for one field
+kimi_jax adds to b300's: its NVLink links, ``device_interconnect_info``, which upstream's B300 spec omits; XLA
+uses its own collective kernels, which CUDA graphs capture, only on a GPU with NVLink links, so without it every
+all-reduce of a B300 program was an NCCL call that ended a CUDA graph. FINDINGS_b300.md.)
 
     mesh = compile_mesh("h200", 16, "tp=16")                  # 2 hosts x 8 H200, nothing allocated
     with lowering_for(mesh):                                   # Pallas sees a GPU while tracing
