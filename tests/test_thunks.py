@@ -126,7 +126,7 @@ def _b300_repro():
 
 def test_nvlink_links_in_the_nvlink_gpu_specs():
     # XLA uses its own collective kernels (which CUDA graphs capture) only where the spec states NVLink links;
-    # upstream's b300 spec omits them and kimi_jax's adds them (FINDINGS_b300.md)
+    # upstream's b300 spec omits them and kimi_jax's adds them (docs/b300_graphs.md)
     for name in ("h100", "h200", "b200", "b300"):
         assert re.search(r"device_interconnect_info\s*{\s*active_links:\s*18\s*}", targets.get_target(name).spec), name
 

@@ -8,7 +8,7 @@ are read from the spec text, never typed a second time. (The five specs match th
 jax-cuda12-plugin 0.12.0.1 but for driver/toolkit/cuDNN version strings, checked by hand, and for one field
 kimi_jax adds to b300's: its NVLink links, ``device_interconnect_info``, which upstream's B300 spec omits; XLA
 uses its own collective kernels, which CUDA graphs capture, only on a GPU with NVLink links, so without it every
-all-reduce of a B300 program was an NCCL call that ended a CUDA graph. FINDINGS_b300.md.)
+all-reduce of a B300 program was an NCCL call that ended a CUDA graph. docs/b300_graphs.md.)
 
     mesh = compile_mesh("h200", 16, "tp=16")                  # 2 hosts x 8 H200, nothing allocated
     with lowering_for(mesh):                                   # Pallas sees a GPU while tracing
