@@ -49,8 +49,11 @@ def _best_time(fn, repeats=5):
 
 
 def stage_of_instructions(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the first stage scope in its op_name metadata. Instructions that XLA created
-    without metadata (rewritten dots, copies) take the most common stage of their computation."""
+    """HLO instruction name -> the first stage scope in its op_name metadata (``thunks.scopes``, the one
+    reader of scope paths). Instructions that XLA created without metadata (rewritten dots, copies) take the
+    most common stage of their computation."""
+    from kimi_jax.analysis.thunks import scopes
+    named = scopes(hlo_text, STAGES)
     stage, comp_of, votes = {}, {}, collections.defaultdict(collections.Counter)
     comp = None
     for line in hlo_text.splitlines():
@@ -63,11 +66,9 @@ def stage_of_instructions(hlo_text: str) -> dict[str, str]:
             continue
         name = m.group(1)
         comp_of[name] = comp
-        op = re.search(r'op_name="([^"]*)"', line)
-        if op:
-            found = next((p for p in op.group(1).split("/") if p in STAGES), "other")
-            stage[name] = found
-            votes[comp][found] += 1
+        if name in named:
+            stage[name] = named[name].split("/")[0] or "other"
+            votes[comp][stage[name]] += 1
     for name, c in comp_of.items():
         if name not in stage:
             stage[name] = votes[c].most_common(1)[0][0] if votes[c] else "other"

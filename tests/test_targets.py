@@ -210,7 +210,10 @@ def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
     from kimi_jax.ops.int4_moe import pallas_triton as moe_kernel
     from kimi_jax.ops.tree_attention import pallas_triton as tree_kernel
 
-    assert moe_kernel.tiles_for("NVIDIA RTX PRO 6000 Blackwell") != moe_kernel.tiles_for("NVIDIA H200")
+    from kimi_jax.ops.select import pick_tiles
+
+    tiles = {kind: pick_tiles(moe_kernel.TILES, kind) for kind in ("NVIDIA RTX PRO 6000 Blackwell", "NVIDIA H200")}
+    assert tiles["NVIDIA RTX PRO 6000 Blackwell"] == moe_kernel.Tiles(num_warps=8) != tiles["NVIDIA H200"]
     monkeypatch.setattr(moe_kernel, "TILES", {"": moe_kernel.Tiles()})
     monkeypatch.setattr(tree_kernel, "TILES", {"": tree_kernel.Tiles()})
     with pytest.raises(Exception, match="register spilling"):

@@ -30,7 +30,7 @@ IMPLS = ("auto", "xla", "pallas")
 def lowering_gpu() -> str | None:
     """The device kind of the GPU a kernel is being lowered for, read at trace time inside a cuda branch: the
     abstract mesh's device (a compile-only target: ``kimi_jax.analysis.targets.lowering_for``), else this
-    process's GPU; None when neither is a GPU. Kernels pick their tiles by it (``tiles_for`` in each kernel)."""
+    process's GPU; None when neither is a GPU. Kernels pick their tiles by it (``lowering_tiles``)."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     if device is not None and device.platform in ("gpu", "cuda"):
         return device.device_kind
@@ -41,6 +41,11 @@ def pick_tiles(table: dict, device_kind: str | None):
     """The entry of ``table`` (device-kind substring -> tiles; "" the default) whose key is the longest
     substring of ``device_kind``."""
     return table[max((k for k in table if k in (device_kind or "")), key=len)]
+
+
+def lowering_tiles(table: dict):
+    """A kernel's tiles (``pick_tiles``) for the GPU it is being lowered for (``lowering_gpu``)."""
+    return pick_tiles(table, lowering_gpu())
 
 
 def check_impl(impl: str) -> None:

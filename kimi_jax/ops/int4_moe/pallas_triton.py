@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
-from kimi_jax.ops.select import lowering_gpu, pick_tiles
+from kimi_jax.ops.select import lowering_tiles
 
 PALLAS_BLOCK_M = (16, 64)     # min, max rows per block (the routing pads expert groups to these: api.py)
 
@@ -57,10 +57,6 @@ class Tiles:
 # path) spills registers at 4 warps x 3 stages on K2.6 TP-8 slices, deviceless compile 2026-12-05; with 8 warps it
 # does not (tests/test_targets.py compiles each target with spills as errors).
 TILES = {"": Tiles(), "RTX PRO 6000": Tiles(num_warps=8)}
-
-
-def tiles_for(device_kind: str | None) -> Tiles:
-    return pick_tiles(TILES, device_kind)
 
 
 def _block_n(n: int, target: int) -> int:
@@ -117,8 +113,8 @@ def _down_kernel(block_expert_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int)
 
 def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret: bool,
                    tiles: Tiles | None = None) -> jax.Array:
-    """``tiles``: None picks them for the GPU being lowered for (``tiles_for``)."""
-    tiles = tiles or (Tiles() if interpret else tiles_for(lowering_gpu()))
+    """``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
+    tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     nb = block_expert.shape[0]
     bm = xs.shape[0] // nb
     n_exp, _, d_rows, f = ex.w13.shape

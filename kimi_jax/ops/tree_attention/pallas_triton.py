@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
-from kimi_jax.ops.select import lowering_gpu, pick_tiles
+from kimi_jax.ops.select import lowering_tiles
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
@@ -73,10 +73,6 @@ class Tiles:
 # memory a block, and 32 query rows x 64 keys x 2 stages take 112 KiB at K2.6 shapes; 16 query rows fit, at every
 # width and paging tested (deviceless compile, 2026-12-05; tests/test_targets.py).
 TILES = {"": Tiles(), "RTX PRO 6000": Tiles(block_q=16)}
-
-
-def tiles_for(device_kind: str | None) -> Tiles:
-    return pick_tiles(TILES, device_kind)
 TARGET_PROGRAMS = 264   # ~2 per H200 SM
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_DOT = 16
@@ -201,7 +197,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
     n_q = t * h
-    tiles = tiles_for(lowering_gpu()) if not interpret else Tiles()
+    tiles = lowering_tiles(TILES) if not interpret else Tiles()
     bq = block_q or min(tiles.block_q, max(MIN_DOT, next_pow2(n_q)))
     for name, v in (("block_q", bq), ("block_k", block_k or tiles.block_k)):
         if v < MIN_DOT or v & (v - 1):
