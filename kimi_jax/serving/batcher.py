@@ -9,12 +9,20 @@ One thread owns the device. Each turn of its loop it
 3. runs ``rounds_per_dispatch`` rounds of the whole batch in one dispatch (``engine.chunk_program``).
 A slot freed in step 2 is reused in step 1 of the next turn; the other rows never stop.
 
+Slot buckets: the batch state holds a bucket of slots (1, 2, 4, ... up to ``max_batch``), not always
+``max_batch``, because every dispatch computes all of its slots, busy or not (a lone request in 16 slots ran at
+a sixth of its speed in one). A request that finds no free slot grows the state to the next bucket; when rows
+leave, nothing waits and the rest fit a smaller bucket, the state shrinks and its rows are compacted
+(``regroup``: one copy of the cache per change, never per dispatch).
+
 What one batch shares, because it is one compiled program: the method and budget (the server's), greedy or
 sampling, the temperature and the random key. A request whose temperature differs from the running batch's
 waits until that batch drains (greedy requests batch with each other, sampling requests with the same
 temperature batch with each other); ``seed`` is honoured only by a sampling request that starts a batch.
-Every program (the batch's rounds, the prefill of each prompt-length bucket, join, retire) is compiled by
-``warm()`` before the server listens.
+Every program (the batch's rounds, join, retire and regroup for every slot bucket, the prefill of each
+prompt-length bucket) is compiled by ``warm()`` before the server listens. Under ``budget="auto"`` whether the
+drafter runs at all is decided for a lone request's bucket (the server's speed for one user), and each slot
+bucket plans its rounds on its own calibrated cost table.
 
 Faults stay with the request that caused them. Everything one request does outside the batch's dispatch (its
 prefill, the new batch state it may start, its join, the delivery of its tokens) is built functionally and
@@ -35,11 +43,11 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import sharding
 from kimi_jax.api import Model, Request, bucket
-from kimi_jax.cache import KVCache
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError, State
 
@@ -49,26 +57,38 @@ log = logging.getLogger("kimi_jax.serve")
 
 # ---- rows join and leave a running batch between dispatches -------------------------------------------------
 
+def row_axes(state: State):
+    """A State-shaped tree of ints: the batch axis of every per-row field, -1 for the batch's own fields (round
+    counter, key, temperature, width per round, the auto policy's memory)."""
+    axes = jax.tree.map(lambda _: -1, state)
+    return axes.replace(cache=axes.cache.replace(kv=1, lengths=0),
+                        drafter=jax.tree.map(lambda _: 1, state.drafter), bonus=0, out=0, n_out=0, done=0,
+                        stats=axes.stats.replace(accepted=0))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def join(state: State, row: State, slot) -> State:
     """Batch row ``slot`` of ``state`` becomes the one-row state ``row`` (a fresh prefill with the same max_len
-    and max_new): its caches, bonus, output and per-round statistics. The batch-wide fields (round counter, key,
-    temperature, the auto policy's memory) stay the batch's."""
+    and max_new): every per-row field (``row_axes``); the batch's own fields stay the batch's."""
     def put(a, r, axis):
-        return jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis)
+        return a if axis < 0 else jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis)
 
-    drafter = None if state.drafter is None else jax.tree.map(lambda a, r: put(a, r, 1), state.drafter, row.drafter)
-    return state.replace(cache=KVCache(kv=put(state.cache.kv, row.cache.kv, 1),
-                                       lengths=put(state.cache.lengths, row.cache.lengths, 0)),
-                         drafter=drafter, bonus=put(state.bonus, row.bonus, 0), out=put(state.out, row.out, 0),
-                         n_out=put(state.n_out, row.n_out, 0), done=put(state.done, row.done, 0),
-                         stats=state.stats.replace(accepted=put(state.stats.accepted, row.stats.accepted, 0)))
+    return jax.tree.map(put, state, row, row_axes(state))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def retire(state: State, rows) -> State:
     """Mark rows [b] (bool) done: their slots stop emitting, and a batch with every row done runs no round."""
     return state.replace(done=state.done | rows)
+
+
+@jax.jit
+def regroup(state: State, rows) -> State:
+    """A state of ``len(rows)`` slots whose slot i is ``state``'s row ``rows[i]``, or a free (done) slot where
+    ``rows[i] < 0``: the batch grown to a larger slot bucket or compacted into a smaller one."""
+    take = jnp.maximum(rows, 0)
+    moved = jax.tree.map(lambda a, axis: a if axis < 0 else jnp.take(a, take, axis=axis), state, row_axes(state))
+    return moved.replace(done=moved.done | (rows < 0))
 
 
 class QueueFull(RuntimeError):
@@ -144,10 +164,11 @@ class Batcher:
                                   f"{self.max_len}")
         self.buckets = sorted({min(bucket(n), self.max_prompt) for n in (1 << k for k in range(4, 31))
                                if n < 2 * self.max_prompt})
+        self.slot_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
         self.queue_size = queue_size
         self.stats = Stats()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._slots: list[Job | None] = [None] * max_batch
+        self._slots: list[Job | None] = [None] * self.slot_buckets[0]     # one per slot of the batch state
         self._wake = threading.Condition()
         self._stop = False
         self._state = self._group = None
@@ -210,39 +231,61 @@ class Batcher:
 
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
-        """Compile every program the loop can run, for greedy and for sampling batches."""
+        """Compile every program the loop can run, for greedy and for sampling batches: each prompt bucket's
+        prefill, and for each slot bucket its rounds, join, retire, its growth from the bucket below and its
+        compaction into every smaller one."""
         t0 = time.perf_counter()
         for sample in (False, True):
-            state = self._blank(sample)
-            for t in self.buckets:
-                row = self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0)
-                state = join(state, row, np.int32(0))
-            state = retire(state, np.ones(self.max_batch, bool))
-            self._dispatch(state, sample)
-        off = " (drafter off: the calibrated costs say trees lose at this batch size)" if self.drafter_off else ""
-        log(f"compiled {2 * len(self.buckets) + 2} programs for {self.max_batch} slots, prompts up to "
+            rows = [self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0) for t in self.buckets]
+            below = None
+            for slots in self.slot_buckets:
+                state = join(self._blank(sample, slots=slots), rows[0], np.int32(0))   # rows share one shape
+                state = self._dispatch(retire(state, np.ones(slots, bool)), sample)
+                if below is not None:
+                    regroup(below, _moved(below.done.shape[0], slots))
+                for smaller in self.slot_buckets[:self.slot_buckets.index(slots)]:
+                    regroup(state, _moved(slots, smaller))
+                below = state
+        off = " (drafter off: the calibrated costs say trees lose for a lone request)" if self.drafter_off else ""
+        log(f"compiled the programs for {self.max_batch} slots (buckets {list(self.slot_buckets)}), prompts up to "
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
 
-    def _program(self, sample):
-        """-> (the batch program's spec, its auto cost table or None) for greedy or sampling batches. Under
-        budget="auto" the table is calibrated for this server's batch size; where it says no tree width pays,
-        the batch runs the plain AR program (``Model.resolve``: no drafter prefill, no taps, no per-round plan)."""
-        if sample not in self._programs:
+    def _program(self, sample, slots: int = 1):
+        """-> (the batch program's spec, its auto cost table or None) for greedy or sampling batches of
+        ``slots`` slots. Under budget="auto" the spec is the one ``Model.resolve`` gives a lone request (where
+        the calibrated costs say no tree width pays, every bucket runs the plain AR program: no drafter prefill,
+        no taps, no per-round plan), and each bucket's rounds plan on its own calibrated table."""
+        if (sample, slots) not in self._programs:
             spec = self.specs[sample]
             if not spec.widths:
-                self._programs[sample] = spec, None
-            else:
-                blank = Request(spec, np.zeros((self.max_batch, self.buckets[0]), np.int32),
-                                np.ones(self.max_batch, np.int32), self.max_new, self.max_len)
+                self._programs[sample, slots] = spec, None
+            elif slots == self.slot_buckets[0]:
+                blank = self._request(spec, slots)
                 resolved = self.model.resolve(blank)
                 table = None if resolved.drafter_off else np.asarray(self.model.cost_table(blank), np.float32)
-                self._programs[sample] = resolved.spec, table
-        return self._programs[sample]
+                self._programs[sample, slots] = resolved.spec, table
+            else:
+                spec, lone = self._program(sample)
+                table = lone if lone is None else \
+                    np.asarray(self.model.cost_table(self._request(spec, slots)), np.float32)
+                self._programs[sample, slots] = spec, table
+        return self._programs[sample, slots]
+
+    def _request(self, spec, slots: int, prompt=None, lens=None) -> Request:
+        """The batch's program layout (max_new, max_len) for ``slots`` rows of ``prompt`` (default: blank)."""
+        if prompt is None:
+            prompt, lens = np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32)
+        return Request(spec, prompt, lens, self.max_new, self.max_len)
 
     @property
     def drafter_off(self) -> bool:
         """Whether the auto policy's calibration turned this server's drafter off (greedy batches)."""
         return self.specs[False].widths != () and not self._program(False)[0].widths
+
+    @property
+    def slots(self) -> int:
+        """Slots of the running batch state: the slot bucket in use."""
+        return len(self._slots)
 
     def _prefill(self, ids, sample, temperature, seed):
         t = next(b for b in self.buckets if b >= len(ids))
@@ -250,22 +293,23 @@ class Batcher:
         prompt[0, :len(ids)] = ids
         return self._run_prefill(prompt, np.asarray([len(ids)], np.int32), sample, temperature, seed)
 
-    def _blank(self, sample, temperature=1.0, seed=0):
-        """A batch state with every slot free (done)."""
-        prompt = np.ones((self.max_batch, self.buckets[0]), np.int32)
-        state = self._run_prefill(prompt, np.ones(self.max_batch, np.int32), sample, temperature, seed)
-        return retire(state, np.ones(self.max_batch, bool))
+    def _blank(self, sample, temperature=1.0, seed=0, slots: int | None = None):
+        """A batch state of ``slots`` (default: the smallest bucket) slots, every one free (done)."""
+        slots = slots or self.slot_buckets[0]
+        state = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), sample,
+                                  temperature, seed)
+        return retire(state, np.ones(slots, bool))
 
     def _run_prefill(self, prompt, lens, sample, temperature, seed):
         """The engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len)."""
-        spec, costs = self._program(sample)
-        request = Request(spec, prompt, lens, self.max_new, self.max_len)
+        spec, costs = self._program(sample, len(lens))
+        request = self._request(spec, len(lens), prompt, lens)
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.prefill_program(self.model.inputs(request, temperature, seed, costs), **request.statics)
         return state
 
     def _dispatch(self, state, sample):
-        spec, costs = self._program(sample)
+        spec, costs = self._program(sample, state.done.shape[0])
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.chunk_program(self.model.compute_params, self.model.drafter_params, state, costs,
                                             spec=spec, rounds=self.rounds)
@@ -300,7 +344,7 @@ class Batcher:
             ended = [r for r in self._slots if r is not None] + (list(self._waiting) if waiting else [])
             if waiting:
                 self._waiting.clear()
-        self._slots = [None] * self.max_batch
+        self._slots = [None] * self.slot_buckets[0]
         self._state = None
         for req in ended:
             _finish(req, failure)
@@ -313,8 +357,7 @@ class Batcher:
     def _admit(self):
         while True:
             with self._wake:
-                free = [i for i, r in enumerate(self._slots) if r is None]
-                if not free or not self._waiting:
+                if not self._waiting:
                     return
                 req = self._waiting[0]
                 if req.cancelled.is_set():
@@ -323,14 +366,29 @@ class Batcher:
                     continue
                 if self.active and req.group != self._group:
                     return                 # waits until the running batch drains (see the module docstring)
+                if self.active == self.max_batch:
+                    return
                 self._waiting.popleft()
             try:
-                self._state, self._group = self._joined(req, free[0])
-                self._slots[free[0]] = req
+                if self.active == self.slots:       # every slot busy: the next bucket, the rows where they were
+                    self._resize(self.slot_buckets[self.slot_buckets.index(self.slots) + 1])
+                slot = self._slots.index(None)
+                self._state, self._group = self._joined(req, slot)
+                self._slots[slot] = req
             except Exception as e:         # this request alone: the batch state was not replaced
                 self._fail(req, "prefilling", e)
                 if _consumed(self._state):
                     raise                  # join had taken the batch's buffers (donated): the batch is lost
+
+    def _resize(self, slots: int):
+        """Move the running rows into a state of ``slots`` slots (growing keeps every row's slot; shrinking
+        compacts the busy rows to the front) and the requests with them."""
+        busy = [i for i, r in enumerate(self._slots) if r is not None]
+        order = list(range(self.slots)) if slots > self.slots else busy
+        order = (order + [-1] * slots)[:slots]
+        if self._state is not None:
+            self._state = regroup(self._state, np.asarray(order, np.int32))
+        self._slots = [self._slots[i] if i >= 0 else None for i in order]
 
     def _joined(self, req: Job, slot: int):
         """-> (the batch state with ``req`` prefilled into ``slot``, the batch's group); stores nothing."""
@@ -338,7 +396,7 @@ class Batcher:
         state, group = self._state, self._group
         if not self.active and (state is None or sample or req.group != group):
             # a new batch: the temperature and the key are the batch's (greedy batches are reused)
-            state, group = self._blank(sample, max(temperature, 1e-6), req.seed), req.group
+            state, group = self._blank(sample, max(temperature, 1e-6), req.seed, self.slots), req.group
         row = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
         return join(state, row, np.int32(slot)), group
 
@@ -346,7 +404,7 @@ class Batcher:
         if self._state is None:
             return
         n_out, out, done = jax.device_get((self._state.n_out, self._state.out, self._state.done))
-        leaving = np.zeros(self.max_batch, bool)
+        leaving = np.zeros(self.slots, bool)
         for i, req in enumerate(self._slots):
             if req is None:
                 continue
@@ -371,6 +429,12 @@ class Batcher:
                 if _consumed(self._state):
                     raise               # retire had taken the batch's buffers (donated): the batch is lost
                 log.exception("retiring %d finished rows failed", int(leaving.sum()))
+                return
+            with self._wake:
+                waiting = bool(self._waiting)
+            smaller = next(b for b in self.slot_buckets if b >= max(self.active, 1))
+            if smaller < self.slots and not waiting:      # a waiting request would only grow it back
+                self._resize(smaller)
 
     def _run_rounds(self):
         before = int(self._state.rounds)
@@ -382,6 +446,11 @@ class Batcher:
         self.stats.row_rounds += rounds * running
         self.stats.tokens += int((jax.device_get(self._state.n_out) - emitted).sum())
         self.stats.dispatches += 1
+
+
+def _moved(old: int, new: int) -> np.ndarray:
+    """``regroup``'s rows from ``old`` slots to ``new`` with slot i staying slot i (the shapes warm-up compiles)."""
+    return np.asarray([i if i < old else -1 for i in range(new)], np.int32)
 
 
 def _consumed(state) -> bool:
