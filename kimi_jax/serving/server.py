@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import uuid
@@ -53,6 +54,9 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "web_search_options": (), "verbosity": (),
 }
 IDENTIFYING = ("user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
+# pydantic names the member of a union that failed in an error's location (str, list[str], literal[...], a model's
+# class name); the field path a client sees leaves them out. Field names are snake_case, so none matches.
+_UNION_BRANCH = re.compile(r"str|int|float|bool|none|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*")
 
 
 class StreamOptions(BaseModel):
@@ -224,9 +228,11 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         metrics.requests.labels(request.url.path, "400").inc()
         if first.get("type") == "json_invalid":
             return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})")
-        loc = [str(x) for x in first.get("loc", ())[1:] if not str(x).startswith(("function-", "list[", "str", "int"))]
+        loc = [str(x) for x in first.get("loc", ())[1:]]
+        unknown = first.get("type") == "extra_forbidden"        # then the last part is the unknown field's name
+        loc = [x for i, x in enumerate(loc) if not _UNION_BRANCH.fullmatch(x) or unknown and i == len(loc) - 1]
         where = ".".join(loc) or None
-        if first.get("type") == "extra_forbidden":
+        if unknown:
             return _error(400, f"{where}: unknown field", param=where)
         return _error(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", param=where)
 
