@@ -186,7 +186,10 @@ BAD = [({"prompt": "x", "max_tokens": 4, "seed": -1}, "seed"),
        ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "limit"),
        ({"prompt": "x", "max_tokens": 4, "n": 2}, "n is not supported"),
        ({"prompt": [99999], "max_tokens": 4}, "vocabulary"),
-       ({"messages": [], "max_tokens": 4}, "messages")]
+       ({"messages": [], "max_tokens": 4}, "messages"),
+       ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "not K2's"),
+       ({"prompt": "x", "max_tokens": 4, "stream": "yes"}, "stream:")]
 
 
 def test_bad_requests_are_400s_and_others_complete(server, reference):

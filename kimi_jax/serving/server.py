@@ -4,7 +4,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Per request: ``max_tokens``
 (``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 is greedy), ``seed``, ``stop`` (strings),
 ``stream``, ``stream_options.include_usage``; the extension fields ``method`` and ``budget`` must name what the
-server was started with (one compiled program serves a batch).
+server was started with (one compiled program serves a batch). Chat requests also take ``tools``, ``tool_choice``,
+tool messages and ``chat_template_kwargs.thinking``; with K2's chat format the reply is parsed into ``content``,
+``reasoning_content`` and ``tool_calls`` (``kimi_jax.serving.tools``).
 
 Every field is checked before the request is queued (pydantic in strict mode, then ``kimi_jax.fields`` for the
 ranges the engine accepts, then the server's limits), so nothing a request says can fail inside the batch.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import uuid
@@ -40,19 +43,26 @@ from starlette.exceptions import HTTPException
 from kimi_jax import fields
 from kimi_jax.fields import GenerationError
 from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
+from kimi_jax.serving.tools import (ChatTemplateKwargs, InvalidToolRequest, MessageToolCall, Tool, ToolChoice,
+                                    ToolPlan, check_messages, has_reply_format)
 from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
 
 # OpenAI request fields this server does not implement, with the values that ask for nothing (besides null):
 # any other value is a 400 that names the field. Fields that only identify the caller are accepted as they are.
+# (`tools` and `tool_choice` are chat fields: here they only keep a completion request from asking for them.
+# `parallel_tool_calls: false` would need constrained decoding to hold.)
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "n": (1,), "best_of": (1,), "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
     "service_tier": ("auto", "default"), "audio": (), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (),
+    "web_search_options": (), "verbosity": (), "parallel_tool_calls": (True,),
 }
-IDENTIFYING = ("user", "metadata", "safety_identifier", "prompt_cache_key", "parallel_tool_calls")
+IDENTIFYING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
+# pydantic names the member of a union that failed in an error's location (str, list[str], literal[...], a model's
+# class name); the field path a client sees leaves them out. Field names are snake_case, so none matches.
+_UNION_BRANCH = re.compile(r"str|int|float|bool|none|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*")
 
 
 class StreamOptions(BaseModel):
@@ -86,13 +96,19 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None        # assistant only (tools.check_messages)
+    tool_call_id: str | None = None                        # tool only, and required there
+    reasoning_content: str | None = None                   # assistant only; not rendered (K2 drops old thoughts)
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class BadRequest(ValueError):
@@ -224,9 +240,11 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         metrics.requests.labels(request.url.path, "400").inc()
         if first.get("type") == "json_invalid":
             return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})")
-        loc = [str(x) for x in first.get("loc", ())[1:] if not str(x).startswith(("function-", "list[", "str", "int"))]
+        loc = [str(x) for x in first.get("loc", ())[1:]]
+        unknown = first.get("type") == "extra_forbidden"        # then the last part is the unknown field's name
+        loc = [x for i, x in enumerate(loc) if not _UNION_BRANCH.fullmatch(x) or unknown and i == len(loc) - 1]
         where = ".".join(loc) or None
-        if first.get("type") == "extra_forbidden":
+        if unknown:
             return _error(400, f"{where}: unknown field", param=where)
         return _error(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", param=where)
 
@@ -316,8 +334,8 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                 if "first" in shape:
                     yield _sse({**head, "object": shape["chunk"], "choices": [shape["first"]]})
                 async for delta, reason in gen.deltas():
-                    if delta or reason:
-                        yield _sse({**head, "object": shape["chunk"], "choices": [shape["delta"](delta, reason)]})
+                    for choice in shape["deltas"](delta, reason):
+                        yield _sse({**head, "object": shape["chunk"], "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield _sse({**head, "object": shape["chunk"], "choices": [], "usage": gen.usage()})
                 yield "data: [DONE]\n\n"
@@ -345,6 +363,9 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         except (GenerationError, NoChatTemplateError) as e:
             metrics.requests.labels(endpoint, "400").inc()
             return _error(400, str(e))
+        except InvalidToolRequest as e:
+            metrics.requests.labels(endpoint, "400").inc()
+            return _error(400, str(e), param=e.param)
         except QueueFull as e:
             metrics.requests.labels(endpoint, "429").inc()
             return _error(429, str(e), kind="rate_limit_error")
@@ -355,14 +376,29 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
     completion_shape = {
         "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
         "choice": lambda text, reason: {"index": 0, "text": text, "finish_reason": reason, "logprobs": None},
-        "delta": lambda text, reason: {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}}
-    chat_shape = {
-        "prefix": "chatcmpl", "object": "chat.completion", "chunk": "chat.completion.chunk",
-        "first": {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
-        "choice": lambda text, reason: {"index": 0, "message": {"role": "assistant", "content": text},
-                                        "finish_reason": reason, "logprobs": None},
-        "delta": lambda text, reason: {"index": 0, "delta": {"content": text} if text else {},
-                                       "finish_reason": reason}}
+        "deltas": lambda text, reason: [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]
+        if text or reason else []}
+
+    def chat_shape(reply):
+        """The chat response's pieces for one request: its reply turns text into message fields and deltas."""
+        def choice(text, reason):
+            reply.push(text)
+            reply.end()
+            return {"index": 0, "message": reply.message(), "finish_reason": reply.finish_reason(reason),
+                    "logprobs": None}
+
+        def deltas(text, reason):
+            out = [{"index": 0, "delta": d, "finish_reason": None} for d in reply.push(text) + (
+                reply.end() if reason else [])]
+            if reason:
+                if not out:
+                    out.append({"index": 0, "delta": {}, "finish_reason": None})
+                out[-1]["finish_reason"] = reply.finish_reason(reason)
+            return out
+
+        return {"prefix": "chatcmpl", "object": "chat.completion", "chunk": "chat.completion.chunk",
+                "first": {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+                "choice": choice, "deltas": deltas}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -389,11 +425,14 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
     async def chat(body: ChatRequest):
         async def work():
             _check(body)
-            if app.state.tokenizer is None:
+            tok = app.state.tokenizer
+            if tok is None:
                 raise BadRequest("this model has no tokenizer, so no chat format")
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = app.state.tokenizer.encode_chat(messages, add_generation_prompt=True)
-            return await _run(body, ids, "/v1/chat/completions", chat_shape)
+            check_messages(body.messages)
+            thinking = body.chat_template_kwargs.thinking if body.chat_template_kwargs else None
+            plan = ToolPlan(body.tools, body.tool_choice, thinking, has_reply_format(tok))
+            prompt = plan.prompt(tok, [m.model_dump(exclude_none=True) for m in body.messages])
+            return await _run(body, tok.encode(prompt), "/v1/chat/completions", chat_shape(plan.reply(prompt)))
         return await _guarded("/v1/chat/completions", work)
 
     def end_open_requests():
