@@ -5,8 +5,10 @@
 For each method it starts one server (the embedded default, greedy), sends the same `--requests` completions
 (held-out stdlib prompts of 64 tokens, never trained on, id prompts so no tokenizer round trip) at each
 concurrency with streaming on, and reports aggregate tokens/s, p50/p99 time to first token and p50/p99
-per-token latency (time between streamed chunks divided by the tokens in them). Numbers come from one run on
-this machine; the ratios inside one run are the point. JSON goes to bench/results/serve_<backend>.json.
+per-token latency (time between streamed chunks divided by the tokens in them). Beside them, the same prompts
+through `Model.generate` one at a time in this process (the speed a lone request could have): the server at
+concurrency 1 over that is `vs_generate`. Numbers come from one run on this machine; the ratios inside one run
+are the point. JSON goes to bench/results/serve_<backend>.json.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -50,10 +53,22 @@ def start(method, slots, max_tokens):
             time.sleep(1)
 
 
+_clients = threading.local()
+
+
+def _client() -> httpx.Client:
+    """One keep-alive client per worker thread, made before any clock starts, as a real client holds one:
+    making an httpx client per request (its SSL context) took ~20 ms of every time to first token here."""
+    if not hasattr(_clients, "client"):
+        _clients.client = httpx.Client(timeout=600)
+    return _clients.client
+
+
 def one(url, ids, max_tokens):
+    client = _client()
     t0 = time.perf_counter()
     stamps = []
-    with httpx.stream("POST", url + "/v1/completions", timeout=600,
+    with client.stream("POST", url + "/v1/completions",
                       json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                             "stream_options": {"include_usage": True}}) as r:
         usage = None
@@ -87,6 +102,15 @@ def load_test(url, prompts, concurrency, max_tokens):
                 single_tokens_per_s=round(np.mean([r[2] / r[3] for r in res]), 1))
 
 
+def generate_alone(model, prompts, max_tokens, method):
+    """Tokens/s of the prompts through ``Model.generate`` one at a time (compiled first, not timed)."""
+    model.generate([prompts[0]], max_tokens, method=method)
+    t0, tokens = time.perf_counter(), 0
+    for p in prompts:
+        tokens += model.generate([p], max_tokens, method=method).stats["new_tokens"]
+    return round(tokens / (time.perf_counter() - t0), 1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -97,15 +121,20 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import kimi_jax
     from kimi_jax.training.corpus import heldout_prompts
-    tok = kimi_jax.load(os.path.join(ROOT, "checkpoints", "target")).tokenizer
-    prompts = heldout_prompts(tok, a.requests, 64)
+    model = kimi_jax.load(os.path.join(ROOT, "checkpoints", "target"),
+                          drafter=os.path.join(ROOT, "checkpoints", "drafter"))
+    prompts = heldout_prompts(model.tokenizer, a.requests, 64)
     rows = []
     for method in a.methods:
+        alone = generate_alone(model, prompts, a.max_tokens, method)
+        print(f"{method}: Model.generate alone {alone} tok/s", flush=True)
         proc, url, warm = start(method, a.slots, a.max_tokens)
         print(f"{method}: server up in {warm:.0f}s", flush=True)
         one(url, prompts[0], 8)                                    # first request after warm-up, not timed
         for c in a.concurrency:
-            row = dict(method=method, slots=a.slots, **load_test(url, prompts, c, a.max_tokens))
+            row = dict(method=method, slots=a.slots, warm_s=round(warm, 1), generate_alone_tokens_per_s=alone,
+                       **load_test(url, prompts, c, a.max_tokens))
+            row["vs_generate"] = round(row["tokens_per_s"] / alone, 2)
             tau = [float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines()
                    if x.startswith("kimi_jax_mean_tau")]
             row["mean_tau_so_far"] = round(tau[0], 2) if tau else None
@@ -118,11 +147,13 @@ def main(argv=None):
     with open(out, "w") as f:
         json.dump({"text": "held-out stdlib files (kimi_jax.training.corpus.heldout_prompts, 64-token windows)",
                    "max_tokens": a.max_tokens, "rows": rows}, f, indent=1)
-    print("| method | concurrency | tokens/s | TTFT p50 / p99 ms | per-token p50 / p99 ms | one request tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("| method | concurrency | tokens/s | vs generate alone | TTFT p50 / p99 ms | per-token p50 / p99 ms "
+          "| one request tok/s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} "
-              f"| {r['token_p50_ms']} / {r['token_p99_ms']} | {r['single_tokens_per_s']} |")
+        print(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']} | {r['vs_generate']}x "
+              f"| {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['token_p50_ms']} / {r['token_p99_ms']} "
+              f"| {r['single_tokens_per_s']} |")
     print(f"wrote {out}")
 
 

@@ -20,9 +20,9 @@ sampling, the temperature and the random key. A request whose temperature differ
 waits until that batch drains (greedy requests batch with each other, sampling requests with the same
 temperature batch with each other); ``seed`` is honoured only by a sampling request that starts a batch.
 Every program (the batch's rounds, join, retire and regroup for every slot bucket, the prefill of each
-prompt-length bucket) is compiled by ``warm()`` before the server listens. Under ``budget="auto"`` whether the
-drafter runs at all is decided for a lone request's bucket (the server's speed for one user), and each slot
-bucket plans its rounds on its own calibrated cost table.
+prompt-length bucket) is compiled by ``warm()`` before the server listens. Under ``budget="auto"`` the drafter
+stays on only where trees can pay both for a lone request and for a full batch (``_spec``), and each slot bucket
+plans its rounds on its own calibrated cost table.
 
 Faults stay with the request that caused them. Everything one request does outside the batch's dispatch (its
 prefill, the new batch state it may start, its join, the delivery of its tokens) is built functionally and
@@ -172,7 +172,7 @@ class Batcher:
         self._wake = threading.Condition()
         self._stop = False
         self._state = self._group = None
-        self._programs = {}
+        self._specs, self._programs = {}, {}
         self._deadline = None          # set by drain(): when the requests still running are ended
         self.degraded = None           # the last dispatch failure's message, until a dispatch succeeds
         self._thread = threading.Thread(target=self._loop, name="kimi_jax-batcher", daemon=True)
@@ -246,29 +246,33 @@ class Batcher:
                 for smaller in self.slot_buckets[:self.slot_buckets.index(slots)]:
                     regroup(state, _moved(slots, smaller))
                 below = state
-        off = " (drafter off: the calibrated costs say trees lose for a lone request)" if self.drafter_off else ""
+        off = " (drafter off: the calibrated costs say trees lose at some batch size)" if self.drafter_off else ""
         log(f"compiled the programs for {self.max_batch} slots (buckets {list(self.slot_buckets)}), prompts up to "
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
 
-    def _program(self, sample, slots: int = 1):
-        """-> (the batch program's spec, its auto cost table or None) for greedy or sampling batches of
-        ``slots`` slots. Under budget="auto" the spec is the one ``Model.resolve`` gives a lone request (where
-        the calibrated costs say no tree width pays, every bucket runs the plain AR program: no drafter prefill,
-        no taps, no per-round plan), and each bucket's rounds plan on its own calibrated table."""
-        if (sample, slots) not in self._programs:
+    def _spec(self, sample):
+        """The spec every slot bucket of greedy or sampling batches runs. Under budget="auto" the drafter stays
+        on only where the calibrated costs say some tree width can pay both for a lone request and for a full
+        batch (``Model.resolve`` at the smallest and the largest bucket): one batch's rows move between buckets,
+        so the state keeps the drafter's features in all of them or in none. Off, every bucket runs the plain AR
+        program (no drafter prefill, no taps, no per-round plan)."""
+        if sample not in self._specs:
             spec = self.specs[sample]
-            if not spec.widths:
-                self._programs[sample, slots] = spec, None
-            elif slots == self.slot_buckets[0]:
-                blank = self._request(spec, slots)
-                resolved = self.model.resolve(blank)
-                table = None if resolved.drafter_off else np.asarray(self.model.cost_table(blank), np.float32)
-                self._programs[sample, slots] = resolved.spec, table
-            else:
-                spec, lone = self._program(sample)
-                table = lone if lone is None else \
-                    np.asarray(self.model.cost_table(self._request(spec, slots)), np.float32)
-                self._programs[sample, slots] = spec, table
+            for slots in sorted({self.slot_buckets[0], self.slot_buckets[-1]}) if spec.widths else ():
+                resolved = self.model.resolve(self._request(spec, slots))
+                if resolved.drafter_off:
+                    spec = resolved.spec
+                    break
+            self._specs[sample] = spec
+        return self._specs[sample]
+
+    def _program(self, sample, slots: int = 1):
+        """-> (the batch program's spec, its auto cost table or None) for ``slots`` slots: each bucket plans
+        its rounds on its own calibrated table (a width that pays for one row may not for sixteen)."""
+        if (sample, slots) not in self._programs:
+            spec = self._spec(sample)
+            table = np.asarray(self.model.cost_table(self._request(spec, slots)), np.float32) if spec.widths else None
+            self._programs[sample, slots] = spec, table
         return self._programs[sample, slots]
 
     def _request(self, spec, slots: int, prompt=None, lens=None) -> Request:
@@ -280,7 +284,7 @@ class Batcher:
     @property
     def drafter_off(self) -> bool:
         """Whether the auto policy's calibration turned this server's drafter off (greedy batches)."""
-        return self.specs[False].widths != () and not self._program(False)[0].widths
+        return self.specs[False].widths != () and not self._spec(False).widths
 
     @property
     def slots(self) -> int:
