@@ -67,11 +67,12 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
         lo, hi = PALLAS_BLOCK_M if kernel == "pallas" else XLA_BLOCK_M
         bm = block_m or default_block_m(t * k, experts.num_experts, lo, hi)
         routing = sort_by_expert(topk_idx, experts.num_experts, bm)
-        xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
+        width = experts.w13.shape[-2] * 8
         if kernel == "xla":
-            out = experts_xla(xs, routing.block_expert, experts)
-        else:
-            out = experts_pallas(xs, routing.block_expert, experts, interpret)
+            out = experts_xla(gather_rows(x, routing, k, width), routing.block_expert, experts)
+        else:   # the gate/up kernel gathers its rows of x itself
+            x = jnp.pad(x, ((0, 0), (0, width - x.shape[1])))     # a no-op unless D is not whole chunks
+            out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret)
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
     return dispatch((x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,

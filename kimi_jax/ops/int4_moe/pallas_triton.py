@@ -4,10 +4,12 @@ Two ``pl.pallas_call`` kernels in the Triton-lowering subset (BlockSpecs, ``pl.p
 ``pl.when``, ``fori_loop``, power-of-two loads; no scalar prefetch, which the Triton backend lacks, so each
 program reads its block's expert id from a small int32 array and indexes the weights with it):
 
-1. gate/up: grid ``(nb, F / bn)``. Program ``(b, n)`` loops over ``K`` in chunks of 256 inputs; per chunk it
+1. gate/up: grid ``(nb, F / bn)``. Program ``(b, n)`` reads its block's ``bm`` pairs (``row_pair``; a row's
+   token is its pair // k, padding rows read the last token) and gathers those rows of ``x`` itself (no grouped copy of the activations is written: at a 17-token verify on
+   K2.6 that copy was 2176 x 7168 bf16 rows, 15/16 of them padding). It loops over ``K`` in chunks of 256 inputs; per chunk it
    loads one ``[32, bn]`` word tile of gate and one of up, and for each nibble plane ``i`` (= scale group
    ``8c + i``) unpacks it with a shift and mask, does ``[bm, 32] x [32, bn]`` dots against the matching slice
-   of ``xs`` (activation dtype, float32 accumulation) and adds them scaled by the group's scale row (scaling the
+   of the gathered rows (activation dtype, float32 accumulation) and adds them scaled by the group's scale row (scaling the
    ``[bm, bn]`` partial sum, not the ``[32, bn]`` weights: cheaper at decode widths, and exact since q is an
    integer). It writes ``h = silu(g) * u`` in the activation dtype.
 2. down: grid ``(nb, D / bn)``, the same loop over ``F`` with one matrix, writing float32 rows.
@@ -24,6 +26,9 @@ Tiling (for an H200 later; nothing here is tuned on hardware yet):
 - ``bn`` = 64 for gate/up (two 8 KiB word tiles per chunk) and 128 for down (one 16 KiB tile): 512 B
   contiguous per word row for coalescing, and enough programs to fill 132 SMs at decode (``8 x 32`` and
   ``8 x 56`` programs for K2 shapes); ``num_stages=3`` lets Triton pipeline the chunk loop's loads.
+- gate/up runs 8 warps: its gathered row loads (one ``[bm, 32]`` pointer tensor per nibble plane and stage)
+  spill registers at 4 warps x 3 stages on K2.6 TP-8 slices for H200 (deviceless compile); 4 warps x 2 stages
+  do not spill either. Neither is measured on a GPU yet.
 - no split-K: at batch 1 the grid already has >= 256 programs of 28 (gate/up) or 8 (down) chunks each.
 """
 
@@ -51,6 +56,7 @@ class Tiles:
     block_n_down: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    num_warps_gate_up: int = 8
 
 
 # Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000 Blackwell: no wgmma, Triton's mma.sync
@@ -75,17 +81,20 @@ def _nibble_dot(x: jax.Array, words: jax.Array, i: int) -> jax.Array:
     return jnp.dot(x, q.astype(x.dtype), preferred_element_type=F32)
 
 
-def _gate_up_kernel(block_expert_ref, x_ref, w_ref, s_ref, h_ref, *, n_chunks: int):
+def _gate_up_kernel(block_expert_ref, row_pair_ref, x_ref, w_ref, s_ref, h_ref, *, n_chunks: int, k: int):
     e = block_expert_ref[pl.program_id(0)]
 
     @pl.when(e >= 0)
     def _():
+        # [bm] token of each row; padding rows (pair T * k) read token T - 1: their outputs are never combined
+        rows = jnp.minimum(row_pair_ref[...] // k, x_ref.shape[0] - 1)
+
         def chunk(c, acc):
             acc_g, acc_u = acc
             w_gate = w_ref[e, 0, pl.ds(c * WORD_ROWS, WORD_ROWS), :]
             w_up = w_ref[e, 1, pl.ds(c * WORD_ROWS, WORD_ROWS), :]
             for i in range(8):  # nibble plane i = scale group 8c + i = inputs 256c + 32i .. + 31
-                xi = x_ref[:, pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)]
+                xi = x_ref[rows, pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)]
                 g = c * 8 + i
                 acc_g += _nibble_dot(xi, w_gate, i) * s_ref[e, 0, g, :].astype(F32)[None, :]
                 acc_u += _nibble_dot(xi, w_up, i) * s_ref[e, 1, g, :].astype(F32)[None, :]
@@ -111,33 +120,37 @@ def _down_kernel(block_expert_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int)
         o_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros(o_ref.shape, F32))
 
 
-def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret: bool,
-                   tiles: Tiles | None = None) -> jax.Array:
-    """``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
+def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.Array, ex: Int4Experts,
+                   interpret: bool, tiles: Tiles | None = None) -> jax.Array:
+    """Rows ``[nb * bm, D]`` (float32) of the experts of ``block_expert`` [nb] applied to the rows ``x[row_pair //
+    k]`` (``routing.Routing``; k = pairs per token): ``x`` ``[T, Dp]`` (columns zero-padded to the word rows'
+    inputs). ``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     nb = block_expert.shape[0]
-    bm = xs.shape[0] // nb
+    bm = row_pair.shape[0] // nb
     n_exp, _, d_rows, f = ex.w13.shape
     f_rows, d = ex.w2.shape[-2:]
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    params_gate_up = pltriton.CompilerParams(num_warps=tiles.num_warps_gate_up, num_stages=tiles.num_stages)
     expert_spec = pl.BlockSpec((nb,), lambda b, n: (0,))
 
     bn = _block_n(f, tiles.block_n_gate_up)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS),
+        functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS, k=k),
         grid=(nb, f // bn),
         in_specs=[
             expert_spec,
-            pl.BlockSpec((bm, xs.shape[1]), lambda b, n: (b, 0)),
+            pl.BlockSpec((bm,), lambda b, n: (b,)),
+            pl.BlockSpec(x.shape, lambda b, n: (0, 0)),
             pl.BlockSpec((n_exp, 2, d_rows, bn), lambda b, n: (0, 0, 0, n)),
             pl.BlockSpec((n_exp, 2, d_rows // 4, bn), lambda b, n: (0, 0, 0, n)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda b, n: (b, n)),
-        out_shape=jax.ShapeDtypeStruct((xs.shape[0], f), xs.dtype),
-        compiler_params=params,
+        out_shape=jax.ShapeDtypeStruct((row_pair.shape[0], f), x.dtype),
+        compiler_params=params_gate_up,
         interpret=interpret,
         name="int4_moe_gate_up",
-    )(block_expert, xs, ex.w13, ex.s13)
+    )(block_expert, row_pair, x, ex.w13, ex.s13)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
 
     bn = _block_n(d, tiles.block_n_down)
@@ -151,7 +164,7 @@ def experts_pallas(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
             pl.BlockSpec((n_exp, f_rows // 4, bn), lambda b, n: (0, 0, n)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda b, n: (b, n)),
-        out_shape=jax.ShapeDtypeStruct((xs.shape[0], d), F32),
+        out_shape=jax.ShapeDtypeStruct((row_pair.shape[0], d), F32),
         compiler_params=params,
         interpret=interpret,
         name="int4_moe_down",

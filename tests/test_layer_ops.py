@@ -1,0 +1,27 @@
+"""Regression guard on what one MoE layer launches on a GPU (bench/layer_ops.py, issue 29 item 2).
+
+Compiles the 3-layer K2.6-shaped DDTree round (1 dense + 2 MoE layers, 17-token verify, 8 compile-only H200s,
+TP) with XLA's real GPU compiler and pins the verify forward's GPU ops per MoE layer in the router, routed-expert
+and shared-expert scopes, and the whole round's ops (which also holds the unscoped copies XLA adds, e.g. the carry
+copies of the binary search the routing used to run). Before the cuts: 40 per MoE layer (router 6, experts 31,
+shared expert 3) and 514 per round; after: 15 and 421 (docs/gpu_overhead.md).
+"""
+
+import pytest
+
+from kimi_jax.analysis import targets
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+GPU_MISSING = targets.compiler_missing("h200")
+
+
+@pytest.mark.slow     # one ~30 s compile on a 2-core CPU
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_moe_layer_ops_for_h200():
+    from bench import layer_ops
+
+    got = layer_ops.count_round("h200", 8)
+    per = layer_ops.per_layer(got["by_scope"])
+    assert per["experts"] <= 6 and per["router"] <= 6 and per["shared_expert"] <= 3, per
+    assert layer_ops.moe_layer_ops(got["by_scope"]) <= 15, per
+    assert got["gpu_ops"] <= 421, got["by_scope"]
