@@ -43,8 +43,8 @@ GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input ch
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    block_n_gate_up: int = 64
-    block_n_down: int = 128
+    block_n_gate_up: int = 32
+    block_n_down: int = 32     # x2: a CTA writes two adjacent 32-column tiles
 
 
 def _interpret_params(interpret):
@@ -62,24 +62,34 @@ def _swizzled(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_kernel(xs, block_expert, w, s, *, n_mats: int, bn: int, out_dtype, epilogue, interpret):
-    """One grouped projection. ``w`` int32 ``[E, n_mats, K/8, N]``, ``s`` bf16 ``[E, n_mats, K/32, N]``;
-    returns ``epilogue(acc_0, ..., acc_{n_mats-1})`` per row block, ``[nb * bm, N]`` of ``out_dtype``."""
+def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dtype, epilogue, interpret):
+    """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
+
+    ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
+    tile ``m`` = matrix ``m``, columns ``n*bn``; ``epilogue(acc_0, acc_1)`` -> one ``[bm, bn]`` output tile.
+    ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns ``(2n + m)*bn`` of the one matrix; each
+    accumulator is written as it is. Stacking two 32-row word tiles makes the register tile 64 rows, which
+    Mosaic GPU's layout inference can store into a swizzled shared-memory tile (a 32-row int32 tile cannot:
+    "Failed to infer a possible set of layouts", docs/mosaic_gpu.md)."""
     nb = block_expert.shape[0]
     bm = xs.shape[0] // nb
     k_rows, n = w.shape[-2:]
     n_chunks = k_rows // WORD_ROWS
+    cta_n = 2 * bn if pair_cols else bn
     if bm != MOSAIC_BLOCK_M:
         raise ValueError(f"the Mosaic GPU kernel needs row blocks of {MOSAIC_BLOCK_M}, got {bm}")
-    if n % bn or xs.shape[1] != n_chunks * CHUNK:
+    if n % cta_n or xs.shape[1] != n_chunks * CHUNK:
         raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}")
     x_dtype = xs.dtype
+    n_out = 2 if pair_cols else 1
 
     def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bar):
         b = lax.axis_index("b")
         j = lax.axis_index("n")
         e = be_gmem[b]
-        cols = pl.ds(j * bn, bn)
+
+        def src(m):      # (matrix, first column) of weight tile m
+            return (0, (2 * j + m) * bn) if pair_cols else (m, j * bn)
 
         @pl.when(e >= 0)
         def _():
@@ -88,48 +98,50 @@ def _grouped_kernel(xs, block_expert, w, s, *, n_mats: int, bn: int, out_dtype, 
                     plgpu.copy_gmem_to_smem(
                         x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
                         x_smem.at[i], bar)
-                for m in range(n_mats):
-                    plgpu.copy_gmem_to_smem(w_gmem.at[e, m, pl.ds(c * WORD_ROWS, WORD_ROWS), cols],
-                                            w_smem.at[m], bar)
-                    plgpu.copy_gmem_to_smem(s_gmem.at[e, m, pl.ds(c * GROUPS, GROUPS), cols], s_smem.at[m], bar)
+                for m in range(2):
+                    mat, col = src(m)
+                    plgpu.copy_gmem_to_smem(w_gmem.at[e, mat, pl.ds(c * WORD_ROWS, WORD_ROWS), pl.ds(col, bn)],
+                                            w_smem.at[pl.ds(m * WORD_ROWS, WORD_ROWS)], bar)
+                    plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
+                                            s_smem.at[m], bar)
                 plgpu.barrier_wait(bar)
+                words = w_smem[...]                        # [64, bn] int32: both tiles' word rows
                 accs = list(accs)
-                for m in range(n_mats):
-                    words = w_smem[m]
-                    scales = s_smem[m].astype(F32)
-                    for i in range(GROUPS):
-                        q = ((words >> (4 * i)) & 0xF) - 8
-                        q_smem[m] = q.astype(x_dtype)
-                        plgpu.commit_smem()
-
+                for i in range(GROUPS):
+                    q_smem[...] = (((words >> (4 * i)) & 0xF) - 8).astype(x_dtype)
+                    plgpu.commit_smem()
+                    for m in range(2):
                         def mma(acc_ref, m=m, i=i):
-                            plgpu.wgmma(acc_ref, x_smem.at[i], q_smem.at[m])
+                            plgpu.wgmma(acc_ref, x_smem.at[i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
                         part = pl.run_scoped(mma, plgpu.ACC((bm, bn), F32))
-                        accs[m] = accs[m] + part * scales[i][None, :]
+                        accs[m] = accs[m] + part * s_smem[m, i].astype(F32)[None, :]
                 return tuple(accs)
 
-            zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(n_mats))
+            zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
-            o_smem[...] = epilogue(*accs).astype(out_dtype)
+            outs = accs if pair_cols else (epilogue(*accs),)
+            for m, out in enumerate(outs):
+                o_smem[m] = out.astype(out_dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(b * bm, bm), cols])
+            for m in range(n_out):
+                plgpu.copy_smem_to_gmem(o_smem.at[m], o_gmem.at[pl.ds(b * bm, bm), pl.ds(j * cta_n + m * bn, bn)])
             plgpu.wait_smem_to_gmem(0)
 
-    n_copies = GROUPS + 2 * n_mats
+    n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((xs.shape[0], n), out_dtype),
-        grid=(nb, n // bn),
+        grid=(nb, n // cta_n),
         grid_names=("b", "n"),
         scratch_types=[
             plgpu.SMEM((GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
-            plgpu.SMEM((n_mats, WORD_ROWS, bn), jnp.int32),
-            plgpu.SMEM((n_mats, GROUPS, bn), s.dtype),
-            plgpu.SMEM((n_mats, GROUP_SIZE, bn), x_dtype, transforms=_swizzled(bn, x_dtype)),
-            plgpu.SMEM((bm, bn), out_dtype),
+            plgpu.SMEM((2 * WORD_ROWS, bn), jnp.int32),
+            plgpu.SMEM((2, GROUPS, bn), s.dtype),
+            plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(bn, x_dtype)),
+            plgpu.SMEM((n_out, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
             plgpu.Barrier(num_arrivals=n_copies),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -151,10 +163,10 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     f = ex.w13.shape[-1]
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
-    h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, n_mats=2, bn=tiles.block_n_gate_up,
+    h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=tiles.block_n_gate_up,
                         out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
-    return _grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], n_mats=1, bn=tiles.block_n_down,
+    return _grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True, bn=tiles.block_n_down,
                            out_dtype=F32, epilogue=lambda a: a, interpret=interpret)
 
 
