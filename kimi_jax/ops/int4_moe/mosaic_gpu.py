@@ -105,19 +105,22 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dty
                     plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
                                             s_smem.at[m], bar)
                 plgpu.barrier_wait(bar)
-                words = w_smem[...]                        # [64, bn] int32: both tiles' word rows
-                accs = list(accs)
-                for i in range(GROUPS):
+                def group(i, accs):
+                    words = w_smem[...]                    # [64, bn] int32: both tiles' word rows
                     q_smem[...] = (((words >> (4 * i)) & 0xF) - 8).astype(x_dtype)
                     plgpu.commit_smem()
+                    accs = list(accs)
                     for m in range(2):
-                        def mma(acc_ref, m=m, i=i):
+                        def mma(acc_ref, m=m):
                             plgpu.wgmma(acc_ref, x_smem.at[i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
                         part = pl.run_scoped(mma, plgpu.ACC((bm, bn), F32))
                         accs[m] = accs[m] + part * s_smem[m, i].astype(F32)[None, :]
+                    return tuple(accs)
+
+                accs = lax.fori_loop(0, GROUPS, group, accs)
                 return tuple(accs)
 
             zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(2))
