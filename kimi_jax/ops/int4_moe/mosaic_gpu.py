@@ -4,29 +4,29 @@ Same contract as ``pallas_triton.experts_pallas``: ``experts_mosaic(xs, block_ex
 rows gathered by ``routing.py`` (``nb`` row blocks of ``bm`` rows, one expert per block, expert -1 = unused)
 and returns float32 ``[nb * bm, D]``. Not wired into ``api.py`` yet (docs/mosaic_gpu.md).
 
-Kernel structure (both projections): grid ``(nb, N / bn)`` CTAs of one warpgroup (Warpgroup lowering
+Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
 loops over ``K`` in chunks of 256 inputs. Per chunk it
 
 1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, the wgmma LHS layout),
-   the ``[32, bn]`` int32 word tile(s) of the expert (no swizzle: they are only read into registers) and the
-   ``[8, bn]`` bf16 scale rows, all on one mbarrier;
-2. for each nibble plane ``i`` (= scale group ``8c + i``): loads the word tile into registers, unpacks
-   ``q = ((w >> 4i) & 15) - 8`` and converts it to bf16 (exact: |q| <= 8), stores it to a swizzled ``[32, bn]``
-   shared-memory tile (the wgmma RHS layout), and issues ``wgmma([bm, 32] x [32, bn])`` into a fresh float32
-   accumulator; the partial sum is scaled by the group's scale row in float32 and added to the running
-   accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
+   two ``[32, bn]`` int32 word tiles stacked into one ``[64, bn]`` tile (no swizzle: only read into registers)
+   and their ``[8, bn]`` bf16 scale rows, all on one mbarrier;
+2. for each nibble plane ``i`` (= scale group ``8c + i``, a ``fori_loop``): loads the words into registers,
+   unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8), stores it to a 64-byte-swizzled ``[64, bn]``
+   smem tile (the wgmma RHS layout), and issues one ``wgmma([bm, 32] x [32, bn])`` per stacked tile into a
+   fresh float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
+   running accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
 
-gate/up does this for both matrices of ``w13`` and writes ``h = silu(g) * u`` in the activation dtype; down
-does it for ``w2`` and writes float32. ``bm`` must be 64 (wgmma's M per warpgroup); at decode most of a block's
-rows are padding, which costs tensor-core work but no weight bytes. Depth-1 pipeline: the copies of chunk
-``c + 1`` are issued only after chunk ``c``'s wgmmas have completed (see docs/mosaic_gpu.md for what is left).
+gate/up stacks the gate and up tiles of the same ``bn = 32`` columns and writes ``h = silu(g) * u`` in the
+activation dtype; down stacks two adjacent 32-column tiles of ``w2`` and writes float32. ``bm`` must be 64
+(wgmma's M per warpgroup); at decode most of a block's rows are padding, which costs tensor-core work and
+activation/output bytes but no weight bytes. Depth-1 pipeline: the copies of chunk ``c + 1`` are issued only
+after chunk ``c``'s wgmmas have completed. Why 32-column tiles and stacked word tiles: docs/mosaic_gpu.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
