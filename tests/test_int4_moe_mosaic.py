@@ -1,0 +1,78 @@
+"""int4_moe's Mosaic GPU kernels (kimi_jax.ops.int4_moe.mosaic_gpu): GPU interpret mode on the CPU against the
+dense reference and the Triton kernel, and a deviceless compile for H200 at K2.6 TP-8 slice shapes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kimi_jax.analysis import targets
+from kimi_jax.ops.int4_format import Int4Experts
+from kimi_jax.ops.int4_moe.api import int4_moe
+from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
+from kimi_jax.ops.int4_moe.reference import int4_moe_reference
+from test_int4_moe import check_close, random_experts, routing
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+E, D, F = 4, 256, 128
+
+mosaic = jax.jit(lambda x, i, w, ex: int4_moe_mosaic(x, i, w, ex, interpret=True))
+triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interpret=True))
+
+
+@pytest.mark.parametrize("t,k,kind", [
+    (13, 2, "random"),       # ragged groups
+    (1, 4, "random"),        # decode: one token, one real row per block
+    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: still one 64-row block each
+    pytest.param(70, 2, "one_expert", marks=pytest.mark.slow),   # 70 rows on expert 3: two blocks of one expert
+])
+def test_mosaic_interpret_matches_reference(t, k, kind):
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(t + k, t, k, e=E, kind=kind)
+    x = jnp.asarray(np.random.default_rng(t).normal(size=(t, D)), jnp.bfloat16)
+    y = mosaic(x, idx, w, ex)
+    # bf16 activations and h, exact int4 weights, float32 accumulation: the Triton kernel's bf16 tolerance
+    check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
+    # the same numerics as the Triton kernel (scale applied to each group's float32 partial sum)
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_mosaic_rejects_f32_activations():
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(0, 3, 2, e=E)
+    with pytest.raises(TypeError, match="16-bit activations"):
+        int4_moe_mosaic(jnp.zeros((3, D), jnp.float32), idx, w, ex, interpret=True)
+
+
+GPU_MISSING = targets.compiler_missing("h200")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("tokens", [8])
+def test_mosaic_compiles_for_h200_k26_slice(tokens, monkeypatch, capfd):
+    """K2.6 under TP-8: 384 experts, hidden 7168, expert width 2048 / 8 = 256, top-8. XLA's spill option does
+    not reach Mosaic GPU kernels (they compile their own PTX), so the spill check reads ptxas' report."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    e, d, f, k = 384, 7168, 256, 8
+    mesh = targets.compile_mesh("h200", 1)
+    rep = NamedSharding(mesh, P())
+    s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+    ex = Int4Experts(w13=s((e, 2, d // 8, f), jnp.int32), s13=s((e, 2, d // 32, f), jnp.bfloat16),
+                     w2=s((e, f // 8, d), jnp.int32), s2=s((e, f // 32, d), jnp.bfloat16))
+    with targets.lowering_for(mesh):
+        lowered = jax.jit(int4_moe_mosaic).lower(s((tokens, d), jnp.bfloat16), s((tokens, k), jnp.int32),
+                                                 s((tokens, k), jnp.float32), ex)
+    hlo = lowered.compile(targets.compiler_options("h200")).as_text()
+    assert len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)) == 2
+    report = capfd.readouterr()
+    ptxas = report.out + report.err
+    used = re.findall(r"Used (\d+) registers", ptxas)
+    if not used:
+        pytest.skip("ptxas printed no report (MOSAIC_GPU_DUMP_PTXAS read before this test?); spills unchecked")
+    assert len(used) == 2 and "sm_90a" in ptxas
+    assert re.findall(r"(\d+) bytes spill stores", ptxas) == ["0", "0"], ptxas
