@@ -1,8 +1,9 @@
 """The INT4 routed experts as two grouped Mosaic GPU kernels (``plgpu.kernel``, Hopper wgmma), first version.
 
-Same contract as ``pallas_triton.experts_pallas``: ``experts_mosaic(xs, block_expert, ex, interpret)`` takes the
-rows gathered by ``routing.py`` (``nb`` row blocks of ``bm`` rows, one expert per block, expert -1 = unused)
-and returns float32 ``[nb * bm, D]``. Not wired into ``api.py`` yet (docs/mosaic_gpu.md).
+``experts_mosaic(xs, block_expert, ex, interpret)`` takes the rows gathered by ``routing.gather_rows`` (``nb``
+row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
+contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``, which
+saves that gather). Not wired into ``api.py`` yet (docs/mosaic_gpu.md).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
