@@ -15,6 +15,23 @@ program is lowered for is lowered. So a program lowered for cuda on a CPU host (
 holds the GPU kernels, and the same jitted function lowered for cpu holds none. (Until this module, the choice
 followed ``jax.default_backend()`` at trace time, and a cuda program lowered on a CPU host silently carried
 interpret-mode loops.)
+
+Which implementation serves which target today, and why:
+
+=====================  ===================  ==================  ================================================
+target                 INT4 MoE             tree attention      why
+=====================  ===================  ==================  ================================================
+CPU, TPU               XLA                  XLA                 no Pallas GPU kernels there; TPU kernels not written
+H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       compiled and spill-free; the Mosaic GPU INT4 kernel
+                                                                (``int4_moe/mosaic_gpu.py``) compiles spill-free
+                                                                too but is depth-1 and unmeasured: not selected
+B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       compiled; Mosaic GPU not yet compiled for sm_100a
+RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       no wgmma, so Mosaic GPU's Hopper path cannot serve
+                       (8 warps)            (16-query blocks)   it; own tiles (``TILES``) against spills and smem
+=====================  ===================  ==================  ================================================
+
+The Triton backend is deprecated since JAX 0.11; Mosaic GPU replaces it on sm_90+ once ``bench.gpu_check``
+measures it at least as fast on a GPU (docs/mosaic_gpu.md).
 """
 
 from __future__ import annotations
