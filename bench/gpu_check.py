@@ -9,10 +9,12 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
 1. ``kernels``: each kernel (INT4 MoE, MLA tree attention) against its oracle in ``reference.py``, on the device,
    both impls ("pallas" with ``interpret=False`` on a GPU, "xla"), at a few shapes including K2.6 TP-8 slice
    shapes, a paged cache and bf16: max abs and max relative error (``max|y - ref| / max|ref|``) against a
-   tolerance per dtype, and ok = error <= tolerance.
+   tolerance per dtype, and ok = error <= tolerance. The INT4 MoE's bf16 cases also run the Mosaic GPU kernel
+   ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, not selected by ``impl`` yet: this is how a GPU decides).
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
-   group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls: time per call and effective bytes/s =
+   group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel
+   beside them: time per call and effective bytes/s =
    INT4 words + bf16 scales of the experts the call touches / time, and that as a fraction of the copy bandwidth.
    tokamax's ``ragged_dot`` over bf16 copies of the same experts runs as a peer if ``import tokamax`` works.
 4. ``attention``: tree-verify attention time vs tree width (1, 5, 17, 33, 65) at K2.6 MLA per-device dims (16
@@ -119,7 +121,8 @@ FULL = Plan(
 TINY = Plan(
     reps=2, chain=2, flush_bytes=0, copy_bytes=16 << 20,
     moe_cases=(("tiny_f32", 8, 256, 64, 13, 3, F32),
-               ("small_f32", 16, 512, 256, 8, 4, F32)),
+               ("small_f32", 16, 512, 256, 8, 4, F32),
+               ("tiny_bf16", 4, 256, 128, 13, 2, BF16)),         # bf16: the Mosaic GPU kernel runs too
     attn_cases=(("tiny_f32", 3, 6, 4, 32, 16, 70, 0, F32),
                 ("small_tree17_f32", 1, 17, 4, 64, 16, 128, 0, F32),
                 ("small_tree17_paged16_f32", 2, 17, 4, 64, 16, 128, 16, F32)),
@@ -286,6 +289,7 @@ def attention_inputs(rng, b, t, h, r, p, s, page, dtype):
 def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.cache import rows_view
     from kimi_jax.ops.int4_moe.api import int4_moe
+    from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
     from kimi_jax.ops.int4_moe.reference import int4_moe_reference
     from kimi_jax.ops.tree_attention.api import latent_attention
     from kimi_jax.ops.tree_attention.reference import dense_reference
@@ -293,6 +297,7 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
     on_gpu, interpret = ctx["on_gpu"], not ctx["on_gpu"]
     cases = rec.setdefault("cases", [])
     moe = jax.jit(int4_moe, static_argnames=("impl", "interpret", "block_m"))
+    mosaic = jax.jit(int4_moe_mosaic, static_argnames=("interpret",))
     for name, e, d, f, t, k, dtype in plan.moe_cases:
         if not ctx["budget"].allows(15):
             cases.append(dict(kernel="int4_moe", case=name, status="skipped: budget"))
@@ -309,19 +314,22 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
         x = jax.random.normal(jax.random.fold_in(key, 8), (t, d), F32).astype(dtype)
         ref = np.asarray(int4_moe_reference(x.astype(F32), idx, wts, ex))     # eager: it exports via numpy
         outs = {}
-        for impl in ("pallas", "xla"):
+        for impl in ("pallas", "xla") + (("mosaic",) if jnp.dtype(dtype).itemsize == 2 else ()):   # wgmma: 16-bit
             row = dict(kernel="int4_moe", case=name, impl=impl, experts=e, hidden=d, width=f, tokens=t, topk=k,
                        dtype=jnp.dtype(dtype).name, tol=tolerance(dtype, on_gpu))
             try:
-                y = moe(x, idx, wts, ex, impl=impl, interpret=interpret if impl == "pallas" else None)
+                y = mosaic(x, idx, wts, ex, interpret=interpret) if impl == "mosaic" else \
+                    moe(x, idx, wts, ex, impl=impl, interpret=interpret if impl == "pallas" else None)
                 outs[impl] = np.asarray(y)
                 row["max_abs_err"], row["max_rel_err"] = rel_err(outs[impl], ref)
                 row["ok"] = row["max_rel_err"] <= row["tol"]
             except Exception as exc:     # noqa: BLE001  (one case's failure is a result)
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
             cases.append(row)
-        if len(outs) == 2:
-            cases[-2]["max_rel_diff_vs_xla"] = rel_err(outs["pallas"], outs["xla"])[1]
+        for impl in ("pallas", "mosaic"):
+            if impl in outs and "xla" in outs:
+                next(c for c in cases[::-1] if c["impl"] == impl)["max_rel_diff_vs_xla"] = \
+                    rel_err(outs[impl], outs["xla"])[1]
         free(ex)
 
     attn = jax.jit(latent_attention, static_argnames=("scale", "impl", "interpret", "block_q", "block_k",
@@ -385,6 +393,7 @@ def _tokamax_peer():
 
 def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.int4_moe.api import int4_moe
+    from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
     from kimi_jax.ops.int4_moe.routing import combine, sort_by_expert
 
     e, d, f, k = plan.moe_shape
@@ -416,8 +425,11 @@ def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
         unique = float(np.mean([np.unique(np.asarray(i)).size for _, idx, _ in sets for i in idx]))
         need = unique * ex.expert_nbytes
         row = dict(tokens=t, unique_experts=unique, bytes_per_call=need, input_sets=len(sets))
-        for impl in ("pallas", "xla"):
-            op = functools.partial(int4_moe, impl=impl, interpret=interpret if impl == "pallas" else None)
+        ops = {impl: functools.partial(int4_moe, impl=impl, interpret=interpret if impl == "pallas" else None)
+               for impl in ("pallas", "xla")}
+        if ctx["on_gpu"]:             # interpret mode times nothing useful; on a GPU it is the decision's number
+            ops["mosaic"] = functools.partial(int4_moe_mosaic, interpret=False)
+        for impl, op in ops.items():
             try:
                 r = timed_cycling(chain(lambda ex, x, i, wt, op=op: op(x, i, wt, ex), n),
                                   [(ex, *a) for a in sets], reps=plan.reps)
@@ -788,7 +800,7 @@ def summary_lines(result: dict) -> list[str]:
                        f"{s['dtype']}): per call us / GB/s (% of copy)")
             for r in s["rows"]:
                 cells = []
-                for impl in ("pallas", "xla", "tokamax_bf16"):
+                for impl in ("pallas", "xla", "mosaic", "tokamax_bf16"):
                     v = r.get(impl)
                     if v is None:
                         continue

@@ -40,12 +40,13 @@ def test_tiny_run_end_to_end(tmp_path):
     # 1. every kernel case against its reference, both impls, within tolerance
     cases = sec["kernels"]["cases"]
     assert {(c["kernel"], c["impl"]) for c in cases} == {(k, i) for k in ("int4_moe", "tree_attention")
-                                                         for i in ("pallas", "xla")}
+                                                         for i in ("pallas", "xla")} | {("int4_moe", "mosaic")}
+    assert {c["dtype"] for c in cases if c["impl"] == "mosaic"} == {"bfloat16"}   # wgmma takes 16-bit inputs
     assert any(c["page_size"] for c in cases if c["kernel"] == "tree_attention")      # a paged cache is checked
     for c in cases:
         assert "error" not in c, c
         assert c["max_rel_err"] <= c["tol"] and c["ok"], c
-        assert c["tol"] <= 1e-4                       # float32 on a CPU: exact up to summation order
+        assert c["tol"] <= (1e-4 if c["dtype"] == "float32" else 3e-2)   # float32 on a CPU: exact up to order
     assert sec["kernels"]["passed"] == sec["kernels"]["checked"] == len(cases)
 
     # 2. copy bandwidth
