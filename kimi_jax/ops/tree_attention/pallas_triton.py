@@ -103,9 +103,10 @@ def _online_update(carry, q, qpe, c, kpe, valid, scale):
     return m_new, l, acc
 
 
-def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
+def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
             scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page):
     split, bi = pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     length = jnp.minimum(len_ref[bi], n_slots)
     q = q_ref[...]                  # q, q_pe arrive in the promoted dtype; cache tiles are cast to it (no-op
     qpe = qpe_ref[...]              # when the cache has the same dtype, as in the model)
@@ -127,11 +128,11 @@ def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_re
         def body(j, carry):
             start = j * bk
             if page:                                        # paged: block j lies inside one page
-                at = (jnp.minimum(pt_ref[start // page], kv_ref.shape[0] - 1), pl.ds(start % page, bk))
+                at = (layer, jnp.minimum(pt_ref[start // page], kv_ref.shape[1] - 1), pl.ds(start % page, bk))
                 row0 = start
             else:
                 row0 = jnp.minimum(start, n_rows - bk)      # stay in bounds on a ragged cache; mask the overlap
-                at = (pl.ds(row0, bk),)
+                at = (layer, bi, pl.ds(row0, bk))
             c = kv_ref[(*at, pl.ds(0, r))].astype(dt)
             kpe = kv_ref[(*at, pl.ds(r, p))].astype(dt)
             key = row0 + jnp.arange(bk, dtype=jnp.int32)
@@ -170,29 +171,36 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
 
 
 def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
-                             num_splits, page_table=None):
+                             num_splits, page_table=None, layer=None):
     b, t, h, r_in = q_lat.shape
+    # The kernel reads the whole cache kv [layers, ...] at ``layer`` in place: slicing one layer out in XLA
+    # (kv[layer]) would copy it into its own buffer for the custom call (4.7 MB per layer at 4096 slots).
+    if layer is None:
+        kv, layer = kv[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    kv_layer = jax.lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)       # fuses into the tree gather
     p_in = q_pe.shape[-1]
-    page = 0 if page_table is None else kv.shape[1]
+    page = 0 if page_table is None else kv.shape[2]
     if page and (page < MIN_DOT or page & (page - 1)):
         raise ValueError(f"the Pallas kernel needs a page size that is a power of two >= {MIN_DOT}, got {page}")
-    n_slots = kv.shape[1] if not page else page_table.shape[1] * page          # logical slots per row
+    n_slots = kv.shape[2] if not page else page_table.shape[1] * page          # logical slots per row
     # Tree rows are gathered before any padding: from logical slots, through the table when paged.
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
-    tree_kv, ok = tree_rows(kv, page_table, lengths, t, tp, n_slots)
+    tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
     r, p = max(MIN_DOT, next_pow2(r_in)), max(MIN_DOT, next_pow2(p_in))
     if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
         q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
         q_pe = jnp.pad(q_pe, ((0, 0),) * 3 + ((0, p - p_in),))
-        pad = lambda x: jnp.concatenate([jnp.pad(x[..., :r_in], ((0, 0), (0, 0), (0, r - r_in))),  # noqa: E731
-                                         jnp.pad(x[..., r_in:], ((0, 0), (0, 0), (0, p - p_in)))], axis=-1)
+        pad = lambda x: jnp.concatenate(  # noqa: E731
+            [jnp.pad(x[..., :r_in], ((0, 0),) * (x.ndim - 1) + ((0, r - r_in),)),
+             jnp.pad(x[..., r_in:], ((0, 0),) * (x.ndim - 1) + ((0, p - p_in),))], axis=-1)
         kv, tree_kv = pad(kv), pad(tree_kv)
     if not page and n_slots < MIN_DOT:   # tiny caches only: pad so that one key block fits (rows past lengths
-        kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
-    n_rows = kv.shape[1]
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
+    n_rows = kv.shape[2]
     if page:
         table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, next_pow2(page_table.shape[1]) -
-                                                                 page_table.shape[1])), constant_values=kv.shape[0])
+                                                                 page_table.shape[1])), constant_values=kv.shape[1])
     else:
         table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
@@ -221,13 +229,13 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
 
     kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
                                n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page)
-    kv_spec = (pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0)) if page else    # the pool; rows via the table
-               pl.BlockSpec((None, n_rows, r + p), lambda i, j, k: (k, 0, 0)))
+    kv_spec = pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0, 0))   # whole cache; the kernel picks layer and row
     o, m, l = pl.pallas_call(
         kernel,
         grid=(nq, ns + 1, b),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, k: (0,)),
+            pl.BlockSpec((1,), lambda i, j, k: (0,)),
             pl.BlockSpec((None, bq, r), lambda i, j, k: (k, i, 0)),
             pl.BlockSpec((None, bq, p), lambda i, j, k: (k, i, 0)),
             kv_spec,
@@ -248,6 +256,6 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_tree_attention",
-    )(lengths.astype(jnp.int32), q2, qpe2, kv, table, tree_kv, words)
+    )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
     out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
     return out[:, :n_q, :r_in].reshape(b, t, h, r_in)
