@@ -218,14 +218,16 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     ns = max(1, min(ns, n_blocks))
     bps = _cdiv(n_blocks, ns)
 
-    pad_q = lambda x: jnp.pad(x.reshape(b, n_q, -1), ((0, 0), (0, qp - n_q), (0, 0)))  # noqa: E731
+    # Queries, mask words and outputs keep their n_q rows, unpadded: the last query block is ragged and Pallas'
+    # Triton lowering masks its loads and stores past n_q (padding them to qp copied q_lat and q_pe per layer).
+    flat = lambda x: x.reshape(b, n_q, -1)  # noqa: E731
     dt = jnp.result_type(q_lat, q_pe, kv)
-    q2, qpe2 = pad_q(q_lat.astype(dt)), pad_q(q_pe.astype(dt))
+    q2, qpe2 = flat(q_lat.astype(dt)), flat(q_pe.astype(dt))
 
     n_words = tp // TREE_BLOCK
     mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]    # [b, t, tp]
     words = jnp.broadcast_to(_pack_mask(mask)[:, :, None, :], (b, t, h, n_words))
-    words = pad_q(words)                                                                   # [b, qp, W]
+    words = flat(words)                                                                    # [b, n_q, W]
 
     kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
                                n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page)
@@ -249,13 +251,13 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             pl.BlockSpec((None, None, bq), lambda i, j, k: (k, j, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, ns + 1, qp, r), F32),
-            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
-            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q, r), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q), F32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
-    out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
-    return out[:, :n_q, :r_in].reshape(b, t, h, r_in)
+    out = merge_states(m, l, o, axis=1)                                                    # [b, n_q, r]
+    return out[..., :r_in].reshape(b, t, h, r_in)
