@@ -73,7 +73,7 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     def pallas(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, *, interpret):
         return latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
                                        block_q=block_q, block_k=block_k, num_splits=num_splits,
-                                       page_table=page_table, layer=layer).astype(dtype)
+                                       page_table=page_table, layer=layer, out_dtype=dtype)
 
     return dispatch((q_lat, q_pe, whole, lengths, new_mask, page_table, layer), impl=impl, interpret=interpret,
                     pallas=pallas, xla=xla)

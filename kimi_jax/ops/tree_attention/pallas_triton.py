@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
 from kimi_jax.ops.select import lowering_tiles
-from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
+from kimi_jax.ops.tree_attention.xla import tree_rows
 
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
 
@@ -156,6 +156,37 @@ def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, 
         store(jax.lax.fori_loop(0, n_words, body, init))
 
 
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
+    """LSE merge of the n_parts partial states of one query block (xla.merge_states, one launch instead of
+    XLA's three fusions: max, sum of weights, weighted sum)."""
+    big_m = jax.lax.fori_loop(1, n_parts, lambda j, mx: jnp.maximum(mx, m_ref[j, :]), m_ref[0, :])
+
+    def body(j, carry):
+        total, acc = carry
+        w = jnp.exp(m_ref[j, :] - big_m)
+        return total + w * l_ref[j, :], acc + w[:, None] * o_ref[j, :, :]
+
+    total, acc = jax.lax.fori_loop(0, n_parts, body, (jnp.zeros_like(big_m), jnp.zeros(out_ref.shape, F32)))
+    out_ref[...] = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+def _merge(o, m, l, bq, out_dtype, interpret):
+    """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, n_q, r] in out_dtype."""
+    b, parts, n_q, r = o.shape
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, n_parts=parts),
+        grid=(_cdiv(n_q, bq), b),
+        in_specs=[pl.BlockSpec((None, parts, bq, r), lambda i, k: (k, 0, i, 0)),
+                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i)),
+                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i))],
+        out_specs=pl.BlockSpec((None, bq, r), lambda i, k: (k, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, n_q, r), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_tree_attention_merge",
+    )(o, m, l)
+
+
 def _pack_mask(mask):
     """bool [..., 32*W] -> int32 [..., W], bit k of word w = mask[..., 32w + k]."""
     *lead, n = mask.shape
@@ -171,7 +202,7 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
 
 
 def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
-                             num_splits, page_table=None, layer=None):
+                             num_splits, page_table=None, layer=None, out_dtype=None):
     b, t, h, r_in = q_lat.shape
     # The kernel reads the whole cache kv [layers, ...] at ``layer`` in place: slicing one layer out in XLA
     # (kv[layer]) would copy it into its own buffer for the custom call (4.7 MB per layer at 4096 slots).
@@ -259,5 +290,5 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
-    out = merge_states(m, l, o, axis=1)                                                    # [b, n_q, r]
+    out = _merge(o, m, l, bq, out_dtype or F32, interpret)                                 # [b, n_q, r]
     return out[..., :r_in].reshape(b, t, h, r_in)
