@@ -104,7 +104,7 @@ def _online_update(carry, q, qpe, c, kpe, valid, scale):
 
 
 def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
-            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page):
+            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page, n_new, inplace):
     split, bi = pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     length = jnp.minimum(len_ref[bi], n_slots)
@@ -146,11 +146,21 @@ def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, 
         bit = jnp.arange(TREE_BLOCK, dtype=jnp.int32)[None, :]
 
         def body(j, carry):
-            c = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(0, r)].astype(dt)
-            kpe = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(r, p)].astype(dt)
             words = w_ref[:, pl.ds(j, 1)]                                # [bq, 1]
-            valid = ((words >> bit) & 1) == 1                            # [bq, 32] (bit 31: the arithmetic
-            #                                                              shift's sign fill is masked off)
+            if inplace:     # contiguous cache: tree key 32j + k is row lengths + 32j + k of the cache itself
+                base = len_ref[bi] + j * TREE_BLOCK
+                row0 = jnp.clip(base, 0, n_rows - TREE_BLOCK)            # in bounds; keys before base masked
+                at = (layer, bi, pl.ds(row0, TREE_BLOCK))
+                c = kv_ref[(*at, pl.ds(0, r))].astype(dt)
+                kpe = kv_ref[(*at, pl.ds(r, p))].astype(dt)
+                rel = (row0 - base) + bit                                # tree key index - 32j
+                valid = ((rel >= 0) & (rel < TREE_BLOCK) & (rel + j * TREE_BLOCK < n_new)
+                         & (row0 + bit < n_slots) & (((words >> jnp.clip(rel, 0, TREE_BLOCK - 1)) & 1) == 1))
+            else:
+                c = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(0, r)].astype(dt)
+                kpe = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(r, p)].astype(dt)
+                valid = ((words >> bit) & 1) == 1                        # [bq, 32] (bit 31: the arithmetic
+                #                                                          shift's sign fill is masked off)
             return _online_update(carry, q, qpe, c, kpe, valid, scale)
 
         store(jax.lax.fori_loop(0, n_words, body, init))
@@ -215,9 +225,16 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     if page and (page < MIN_DOT or page & (page - 1)):
         raise ValueError(f"the Pallas kernel needs a page size that is a power of two >= {MIN_DOT}, got {page}")
     n_slots = kv.shape[2] if not page else page_table.shape[1] * page          # logical slots per row
-    # Tree rows are gathered before any padding: from logical slots, through the table when paged.
+    # Tree rows are gathered before any padding: from logical slots, through the table when paged. A contiguous
+    # cache of at least TREE_BLOCK slots needs no gather: the kernel reads them at lengths + j in place.
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
-    tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
+    inplace = not page and n_slots >= TREE_BLOCK
+    if inplace:
+        slot = lengths[:, None] + jnp.arange(tp, dtype=jnp.int32)[None, :]
+        ok = (jnp.arange(tp)[None, :] < t) & (slot < n_slots) & (slot >= 0)
+        tree_kv = None
+    else:
+        tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
     r, p = max(MIN_DOT, next_pow2(r_in)), max(MIN_DOT, next_pow2(p_in))
     if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
         q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
@@ -225,7 +242,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         pad = lambda x: jnp.concatenate(  # noqa: E731
             [jnp.pad(x[..., :r_in], ((0, 0),) * (x.ndim - 1) + ((0, r - r_in),)),
              jnp.pad(x[..., r_in:], ((0, 0),) * (x.ndim - 1) + ((0, p - p_in),))], axis=-1)
-        kv, tree_kv = pad(kv), pad(tree_kv)
+        kv, tree_kv = pad(kv), tree_kv if tree_kv is None else pad(tree_kv)
     if not page and n_slots < MIN_DOT:   # tiny caches only: pad so that one key block fits (rows past lengths
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
     n_rows = kv.shape[2]
@@ -261,8 +278,12 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     words = flat(words)                                                                    # [b, n_q, W]
 
     kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
-                               n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page)
+                               n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page, n_new=t, inplace=inplace)
     kv_spec = pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0, 0))   # whole cache; the kernel picks layer and row
+    if inplace:             # the tree operand is unused: pass the cache again (no buffer of its own)
+        tree_kv, tree_spec = kv, kv_spec
+    else:
+        tree_spec = pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(nq, ns + 1, b),
@@ -273,7 +294,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             pl.BlockSpec((None, bq, p), lambda i, j, k: (k, i, 0)),
             kv_spec,
             pl.BlockSpec((None, table.shape[1]), lambda i, j, k: (k, 0)),
-            pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0)),
+            tree_spec,
             pl.BlockSpec((None, bq, n_words), lambda i, j, k: (k, i, 0)),
         ],
         out_specs=[
