@@ -65,14 +65,14 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
 
 
 def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str,
-                interpret: bool = False):
+                interpret: bool = False, layer=None):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the kernel API
     (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix (of a paged cache: the row's own
     pages) without a dense [b, t, s] mask."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, interpret=interpret,
-                             out_dtype=kv.dtype, page_table=page_table)
+                             out_dtype=kv.dtype, page_table=page_table, layer=layer)
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 
 
@@ -82,8 +82,10 @@ TREE_KERNEL_MAX_WIDTH = 256
 
 
 def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str,
-           rt: Runtime | None = None):
-    """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache).
+           rt: Runtime | None = None, layer=None):
+    """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache), or
+    with ``layer`` over layer ``layer`` of the whole cache kv [layers, ...] (the Pallas kernel reads it there in
+    place; the XLA forms slice it out).
     form="full": expanded per-head K/V (training, the reference); form="absorbed": MQA over the latent rows,
     at tree widths through the Pallas tree kernel where ``impl`` picks it for the lowering platform
     (kimi_jax.ops.select), else the dense-mask XLA form (whose one [b, t, s] mask every layer of a forward
@@ -91,40 +93,46 @@ def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: Mod
     (``_tree_on_local_heads``)."""
     if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
+    one = lambda kv, layer: kv if layer is None else kv[layer]  # noqa: E731
     if form == "full":
-        return attend_full(q_nope, q_pe, rows_view(kv, page_table), visible, p, cfg)
+        return attend_full(q_nope, q_pe, rows_view(one(kv, layer), page_table), visible, p, cfg)
     if q_nope.shape[1] > TREE_KERNEL_MAX_WIDTH:
         impl = "xla"
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
 
-    def dense(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p):
-        return attend_absorbed(q_nope, q_pe, rows_view(kv, page_table), visible, p, cfg)
+    def dense(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer):
+        return attend_absorbed(q_nope, q_pe, rows_view(one(kv, layer), page_table), visible, p, cfg)
 
-    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, *, interpret):
+    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer, *, interpret):
         if rt is not None and rt.mesh is not None:
-            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret)
-        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, "pallas", interpret)
+            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret, layer)
+        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, "pallas", interpret, layer)
 
-    return dispatch((q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p), impl=impl, interpret=False,
-                    pallas=kernel, xla=dense)
+    return dispatch((q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer), impl=impl,
+                    interpret=False, pallas=kernel, xla=dense)
 
 
-def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret):
+def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret,
+                         layer=None):
     """attend_tree in ``jax.shard_map`` over ``rt.mesh``, each device on its own heads (and batch rows): a
     Pallas call is opaque to the SPMD partitioner, which otherwise gathers every head onto every device and runs
     the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
     A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
     softmaxes would need merging across devices."""
-    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b):
-        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, "pallas", interpret)
+    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer):
+        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, "pallas", interpret, layer)
 
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
     if st.mesh_axes("slots", rt.mesh):
-        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b)
+        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer)
     spec = lambda *axes: sharding.logical_to_spec(axes, rt.mesh, st)  # noqa: E731
     per_head = spec("batch", None, "heads", None)
+    kv_axes = ("batch", "slots", "latent") if layer is None else ("layers", "batch", "slots", "latent")
     return jax.shard_map(local, mesh=rt.mesh, out_specs=per_head, check_vma=False, in_specs=(
-        per_head, per_head, spec("batch", "slots", "latent"), spec("batch"), spec("batch", None, None),
-        spec("kv_lora", "heads", "head_dim")))(q_nope, q_pe, kv, lengths, new_mask, kv_b)
+        per_head, per_head, spec(*kv_axes), spec("batch"), spec("batch", None, None),
+        spec("kv_lora", "heads", "head_dim"), None if layer is None else spec()))(
+            q_nope, q_pe, kv, lengths, new_mask, kv_b, layer)
 
 
 def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):

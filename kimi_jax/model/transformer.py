@@ -47,8 +47,8 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
         with jax.named_scope("cache_write"):
             kv = cache_lib.write(kv, ctx.page_table, layer_index, slots, rows)
         with jax.named_scope("attend"):
-            o = mla.attend(q_nope, q_pe, kv[layer_index], ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p,
-                           cfg, form=attn_form, impl=rt.attn_impl, rt=rt)
+            o = mla.attend(q_nope, q_pe, kv, ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p,
+                           cfg, form=attn_form, impl=rt.attn_impl, rt=rt, layer=layer_index)
         with jax.named_scope("o_proj"):
             y = mla.output(o, p)
     x = x + y

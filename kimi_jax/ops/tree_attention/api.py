@@ -34,7 +34,7 @@ from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
                      interpret: bool = False, block_q: int | None = None, block_k: int | None = None,
-                     num_splits: int | None = None, out_dtype=None, page_table=None):
+                     num_splits: int | None = None, out_dtype=None, page_table=None, layer=None):
     """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
@@ -44,8 +44,16 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling: block_q / block_k
     (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache).
     page_table [b, pages_per_row] int: kv is a page pool [pages, page_size, r+p] (module doc).
+    layer (int or int32 scalar): kv is the whole cache [layers, ...] and this is the layer attended over; the
+    Pallas kernel reads it in place (no copy of one layer's rows out of the cache).
     """
     check_impl(impl)
+    whole = kv
+    if layer is not None:
+        if kv.ndim != 4:
+            raise ValueError(f"with layer=, kv is the whole cache [layers, ...], got {kv.shape}")
+        kv = kv[0]              # for the shape checks only
+        layer = jnp.asarray(layer, jnp.int32)
     b, t, h, r = q_lat.shape
     rows_ok = kv.shape[0] == b if page_table is None else page_table.shape[0] == b and page_table.ndim == 2
     if q_pe.shape[:3] != (b, t, h) or kv.ndim != 3 or not rows_ok or kv.shape[2] != r + q_pe.shape[-1]:
@@ -58,13 +66,14 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     new_mask = new_mask.astype(bool)
     dtype = out_dtype or q_lat.dtype
 
-    def xla(q_lat, q_pe, kv, lengths, new_mask, page_table):
+    def xla(q_lat, q_pe, kv, lengths, new_mask, page_table, layer):
+        kv = kv if layer is None else kv[layer]
         return latent_attention_xla(q_lat, q_pe, rows_view(kv, page_table), lengths, new_mask, scale).astype(dtype)
 
-    def pallas(q_lat, q_pe, kv, lengths, new_mask, page_table, *, interpret):
+    def pallas(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, *, interpret):
         return latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
                                        block_q=block_q, block_k=block_k, num_splits=num_splits,
-                                       page_table=page_table).astype(dtype)
+                                       page_table=page_table, layer=layer, out_dtype=dtype)
 
-    return dispatch((q_lat, q_pe, kv, lengths, new_mask, page_table), impl=impl, interpret=interpret, pallas=pallas,
-                    xla=xla)
+    return dispatch((q_lat, q_pe, whole, lengths, new_mask, page_table, layer), impl=impl, interpret=interpret,
+                    pallas=pallas, xla=xla)

@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
 from kimi_jax.ops.select import lowering_tiles
-from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
+from kimi_jax.ops.tree_attention.xla import tree_rows
 
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
 
@@ -103,9 +103,10 @@ def _online_update(carry, q, qpe, c, kpe, valid, scale):
     return m_new, l, acc
 
 
-def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
-            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page):
+def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
+            scale, r, p, bk, bps, n_splits, n_slots, n_rows, n_words, page, n_new, inplace):
     split, bi = pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     length = jnp.minimum(len_ref[bi], n_slots)
     q = q_ref[...]                  # q, q_pe arrive in the promoted dtype; cache tiles are cast to it (no-op
     qpe = qpe_ref[...]              # when the cache has the same dtype, as in the model)
@@ -127,11 +128,11 @@ def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_re
         def body(j, carry):
             start = j * bk
             if page:                                        # paged: block j lies inside one page
-                at = (jnp.minimum(pt_ref[start // page], kv_ref.shape[0] - 1), pl.ds(start % page, bk))
+                at = (layer, jnp.minimum(pt_ref[start // page], kv_ref.shape[1] - 1), pl.ds(start % page, bk))
                 row0 = start
             else:
                 row0 = jnp.minimum(start, n_rows - bk)      # stay in bounds on a ragged cache; mask the overlap
-                at = (pl.ds(row0, bk),)
+                at = (layer, bi, pl.ds(row0, bk))
             c = kv_ref[(*at, pl.ds(0, r))].astype(dt)
             kpe = kv_ref[(*at, pl.ds(r, p))].astype(dt)
             key = row0 + jnp.arange(bk, dtype=jnp.int32)
@@ -145,14 +146,55 @@ def _kernel(len_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_re
         bit = jnp.arange(TREE_BLOCK, dtype=jnp.int32)[None, :]
 
         def body(j, carry):
-            c = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(0, r)].astype(dt)
-            kpe = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(r, p)].astype(dt)
             words = w_ref[:, pl.ds(j, 1)]                                # [bq, 1]
-            valid = ((words >> bit) & 1) == 1                            # [bq, 32] (bit 31: the arithmetic
-            #                                                              shift's sign fill is masked off)
+            if inplace:     # contiguous cache: tree key 32j + k is row lengths + 32j + k of the cache itself
+                base = len_ref[bi] + j * TREE_BLOCK
+                row0 = jnp.clip(base, 0, n_rows - TREE_BLOCK)            # in bounds; keys before base masked
+                at = (layer, bi, pl.ds(row0, TREE_BLOCK))
+                c = kv_ref[(*at, pl.ds(0, r))].astype(dt)
+                kpe = kv_ref[(*at, pl.ds(r, p))].astype(dt)
+                rel = (row0 - base) + bit                                # tree key index - 32j
+                valid = ((rel >= 0) & (rel < TREE_BLOCK) & (rel + j * TREE_BLOCK < n_new)
+                         & (row0 + bit < n_slots) & (((words >> jnp.clip(rel, 0, TREE_BLOCK - 1)) & 1) == 1))
+            else:
+                c = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(0, r)].astype(dt)
+                kpe = tkv_ref[pl.ds(j * TREE_BLOCK, TREE_BLOCK), pl.ds(r, p)].astype(dt)
+                valid = ((words >> bit) & 1) == 1                        # [bq, 32] (bit 31: the arithmetic
+                #                                                          shift's sign fill is masked off)
             return _online_update(carry, q, qpe, c, kpe, valid, scale)
 
         store(jax.lax.fori_loop(0, n_words, body, init))
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
+    """LSE merge of the n_parts partial states of one query block (xla.merge_states, one launch instead of
+    XLA's three fusions: max, sum of weights, weighted sum)."""
+    big_m = jax.lax.fori_loop(1, n_parts, lambda j, mx: jnp.maximum(mx, m_ref[j, :]), m_ref[0, :])
+
+    def body(j, carry):
+        total, acc = carry
+        w = jnp.exp(m_ref[j, :] - big_m)
+        return total + w * l_ref[j, :], acc + w[:, None] * o_ref[j, :, :]
+
+    total, acc = jax.lax.fori_loop(0, n_parts, body, (jnp.zeros_like(big_m), jnp.zeros(out_ref.shape, F32)))
+    out_ref[...] = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+def _merge(o, m, l, bq, out_dtype, interpret):
+    """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, n_q, r] in out_dtype."""
+    b, parts, n_q, r = o.shape
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, n_parts=parts),
+        grid=(_cdiv(n_q, bq), b),
+        in_specs=[pl.BlockSpec((None, parts, bq, r), lambda i, k: (k, 0, i, 0)),
+                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i)),
+                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i))],
+        out_specs=pl.BlockSpec((None, bq, r), lambda i, k: (k, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, n_q, r), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_tree_attention_merge",
+    )(o, m, l)
 
 
 def _pack_mask(mask):
@@ -170,29 +212,43 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
 
 
 def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
-                             num_splits, page_table=None):
+                             num_splits, page_table=None, layer=None, out_dtype=None):
     b, t, h, r_in = q_lat.shape
+    # The kernel reads the whole cache kv [layers, ...] at ``layer`` in place: slicing one layer out in XLA
+    # (kv[layer]) would copy it into its own buffer for the custom call (4.7 MB per layer at 4096 slots).
+    if layer is None:
+        kv, layer = kv[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    kv_layer = jax.lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)       # fuses into the tree gather
     p_in = q_pe.shape[-1]
-    page = 0 if page_table is None else kv.shape[1]
+    page = 0 if page_table is None else kv.shape[2]
     if page and (page < MIN_DOT or page & (page - 1)):
         raise ValueError(f"the Pallas kernel needs a page size that is a power of two >= {MIN_DOT}, got {page}")
-    n_slots = kv.shape[1] if not page else page_table.shape[1] * page          # logical slots per row
-    # Tree rows are gathered before any padding: from logical slots, through the table when paged.
+    n_slots = kv.shape[2] if not page else page_table.shape[1] * page          # logical slots per row
+    # Tree rows are gathered before any padding: from logical slots, through the table when paged. A contiguous
+    # cache of at least TREE_BLOCK slots needs no gather: the kernel reads them at lengths + j in place.
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
-    tree_kv, ok = tree_rows(kv, page_table, lengths, t, tp, n_slots)
+    inplace = not page and n_slots >= TREE_BLOCK
+    if inplace:
+        slot = lengths[:, None] + jnp.arange(tp, dtype=jnp.int32)[None, :]
+        ok = (jnp.arange(tp)[None, :] < t) & (slot < n_slots) & (slot >= 0)
+        tree_kv = None
+    else:
+        tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
     r, p = max(MIN_DOT, next_pow2(r_in)), max(MIN_DOT, next_pow2(p_in))
     if (r, p) != (r_in, p_in):   # small test models only (K2: 512 + 64): zero-pad the feature dims (copies kv)
         q_lat = jnp.pad(q_lat, ((0, 0),) * 3 + ((0, r - r_in),))
         q_pe = jnp.pad(q_pe, ((0, 0),) * 3 + ((0, p - p_in),))
-        pad = lambda x: jnp.concatenate([jnp.pad(x[..., :r_in], ((0, 0), (0, 0), (0, r - r_in))),  # noqa: E731
-                                         jnp.pad(x[..., r_in:], ((0, 0), (0, 0), (0, p - p_in)))], axis=-1)
-        kv, tree_kv = pad(kv), pad(tree_kv)
+        pad = lambda x: jnp.concatenate(  # noqa: E731
+            [jnp.pad(x[..., :r_in], ((0, 0),) * (x.ndim - 1) + ((0, r - r_in),)),
+             jnp.pad(x[..., r_in:], ((0, 0),) * (x.ndim - 1) + ((0, p - p_in),))], axis=-1)
+        kv, tree_kv = pad(kv), tree_kv if tree_kv is None else pad(tree_kv)
     if not page and n_slots < MIN_DOT:   # tiny caches only: pad so that one key block fits (rows past lengths
-        kv = jnp.pad(kv, ((0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
-    n_rows = kv.shape[1]
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, MIN_DOT - n_slots), (0, 0)))    # are masked)
+    n_rows = kv.shape[2]
     if page:
         table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, next_pow2(page_table.shape[1]) -
-                                                                 page_table.shape[1])), constant_values=kv.shape[0])
+                                                                 page_table.shape[1])), constant_values=kv.shape[1])
     else:
         table = jnp.zeros((b, 1), jnp.int32)                                     # unused
 
@@ -210,29 +266,35 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     ns = max(1, min(ns, n_blocks))
     bps = _cdiv(n_blocks, ns)
 
-    pad_q = lambda x: jnp.pad(x.reshape(b, n_q, -1), ((0, 0), (0, qp - n_q), (0, 0)))  # noqa: E731
+    # Queries, mask words and outputs keep their n_q rows, unpadded: the last query block is ragged and Pallas'
+    # Triton lowering masks its loads and stores past n_q (padding them to qp copied q_lat and q_pe per layer).
+    flat = lambda x: x.reshape(b, n_q, -1)  # noqa: E731
     dt = jnp.result_type(q_lat, q_pe, kv)
-    q2, qpe2 = pad_q(q_lat.astype(dt)), pad_q(q_pe.astype(dt))
+    q2, qpe2 = flat(q_lat.astype(dt)), flat(q_pe.astype(dt))
 
     n_words = tp // TREE_BLOCK
     mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]    # [b, t, tp]
     words = jnp.broadcast_to(_pack_mask(mask)[:, :, None, :], (b, t, h, n_words))
-    words = pad_q(words)                                                                   # [b, qp, W]
+    words = flat(words)                                                                    # [b, n_q, W]
 
     kernel = functools.partial(_kernel, scale=float(scale), r=r, p=p, bk=bk, bps=bps, n_splits=ns,
-                               n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page)
-    kv_spec = (pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0)) if page else    # the pool; rows via the table
-               pl.BlockSpec((None, n_rows, r + p), lambda i, j, k: (k, 0, 0)))
+                               n_slots=n_slots, n_rows=n_rows, n_words=n_words, page=page, n_new=t, inplace=inplace)
+    kv_spec = pl.BlockSpec(kv.shape, lambda i, j, k: (0, 0, 0, 0))   # whole cache; the kernel picks layer and row
+    if inplace:             # the tree operand is unused: pass the cache again (no buffer of its own)
+        tree_kv, tree_spec = kv, kv_spec
+    else:
+        tree_spec = pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(nq, ns + 1, b),
         in_specs=[
             pl.BlockSpec((b,), lambda i, j, k: (0,)),
+            pl.BlockSpec((1,), lambda i, j, k: (0,)),
             pl.BlockSpec((None, bq, r), lambda i, j, k: (k, i, 0)),
             pl.BlockSpec((None, bq, p), lambda i, j, k: (k, i, 0)),
             kv_spec,
             pl.BlockSpec((None, table.shape[1]), lambda i, j, k: (k, 0)),
-            pl.BlockSpec((None, tp, r + p), lambda i, j, k: (k, 0, 0)),
+            tree_spec,
             pl.BlockSpec((None, bq, n_words), lambda i, j, k: (k, i, 0)),
         ],
         out_specs=[
@@ -241,13 +303,13 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             pl.BlockSpec((None, None, bq), lambda i, j, k: (k, j, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, ns + 1, qp, r), F32),
-            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
-            jax.ShapeDtypeStruct((b, ns + 1, qp), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q, r), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q), F32),
+            jax.ShapeDtypeStruct((b, ns + 1, n_q), F32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_tree_attention",
-    )(lengths.astype(jnp.int32), q2, qpe2, kv, table, tree_kv, words)
-    out = merge_states(m, l, o, axis=1)                                                    # [b, qp, r]
-    return out[:, :n_q, :r_in].reshape(b, t, h, r_in)
+    )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
+    out = _merge(o, m, l, bq, out_dtype or F32, interpret)                                 # [b, n_q, r]
+    return out[..., :r_in].reshape(b, t, h, r_in)
