@@ -18,6 +18,30 @@ import pytest  # noqa: E402
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 
+def serve_in_thread(app, grace: float):
+    """Run ``kimi_jax.serving.server.serve(app, ...)`` on a free loopback port in a daemon thread; return (url,
+    thread) once ``/health`` answers."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    from kimi_jax.serving.server import serve
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    thread = threading.Thread(target=serve, args=(app, "127.0.0.1", port, grace), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            httpx.get(url + "/health", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return url, thread
+
+
 def default_sigint():
     """preexec_fn of subprocesses that test Ctrl-C: a shell that runs the suite in the background ignores SIGINT
     and children inherit that (our commands keep an ignored SIGINT ignored, as nohup users expect)."""

@@ -6,13 +6,12 @@ The reference for every greedy response is the same request through `Model.gener
 """
 
 import concurrent.futures
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, serve_in_thread
 
 import kimi_jax
 
@@ -27,24 +26,13 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def live():
     from kimi_jax.serving.batcher import Batcher
-    from kimi_jax.serving.server import create_app, serve
+    from kimi_jax.serving.server import create_app
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
     batcher = Batcher(model, max_batch=SLOTS, max_new=MAX_NEW, max_len=MAX_LEN, budget=4)
     batcher.warm(log=lambda m: None)
     batcher.start()
     app = create_app(batcher, model.config.name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    thread = threading.Thread(target=serve, args=(app, "127.0.0.1", port, GRACE), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(url + "/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    url, thread = serve_in_thread(app, GRACE)
     runs = {}
 
     def alone(prompt, max_tokens):

@@ -11,13 +11,12 @@ characters are split across deliveries) and delivers it a few tokens at a time, 
 import collections
 import itertools
 import json
-import socket
 import threading
-import time
 import types
 
 import httpx
 import pytest
+from conftest import serve_in_thread
 
 from kimi_jax.serving.tools import ChatReply, InvalidToolRequest, Tool, ToolPlan
 from kimi_jax.text.reply_format import Reply, ReplyParser, ToolCall, parse
@@ -245,22 +244,11 @@ class ScriptedBatcher:
 
 @pytest.fixture(scope="module")
 def live():
-    from kimi_jax.serving.server import create_app, serve, shutdown
+    from kimi_jax.serving.server import create_app, shutdown
     tok = KimiTokenizer({bytes([i]): i for i in range(256)})
     batcher = ScriptedBatcher(tok)
     app = create_app(batcher, "k2-scripted")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    thread = threading.Thread(target=serve, args=(app, "127.0.0.1", port, 1.0), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(url + "/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    url, thread = serve_in_thread(app, 1.0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     yield types.SimpleNamespace(url=url, client=client, batcher=batcher)
     shutdown(app)
