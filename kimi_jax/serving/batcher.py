@@ -388,8 +388,7 @@ class Batcher:
         """Move the running rows into a state of ``slots`` slots (growing keeps every row's slot; shrinking
         compacts the busy rows to the front) and the requests with them."""
         busy = [i for i, r in enumerate(self._slots) if r is not None]
-        order = list(range(self.slots)) if slots > self.slots else busy
-        order = (order + [-1] * slots)[:slots]
+        order = _moved(self.slots, slots).tolist() if slots > self.slots else busy + [-1] * (slots - len(busy))
         if self._state is not None:
             self._state = regroup(self._state, np.asarray(order, np.int32))
         self._slots = [self._slots[i] if i >= 0 else None for i in order]
@@ -453,7 +452,8 @@ class Batcher:
 
 
 def _moved(old: int, new: int) -> np.ndarray:
-    """``regroup``'s rows from ``old`` slots to ``new`` with slot i staying slot i (the shapes warm-up compiles)."""
+    """``regroup``'s rows from ``old`` slots to ``new`` with slot i staying slot i (growth; and the shapes warm-up
+    compiles)."""
     return np.asarray([i if i < old else -1 for i in range(new)], np.int32)
 
 
