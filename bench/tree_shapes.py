@@ -47,7 +47,7 @@ def draft_log_probs(model, seq: np.ndarray, starts: list[int]) -> np.ndarray:
     t = len(seq)
     fwd = jax.jit(lambda p, s: forward(p, model.config, s, init_cache(model.config, 1, t), taps=c.target_layer_ids))(
         tp, jnp.asarray(seq[None]))
-    feats = dflash.prefill_features(dp, c, tp, fwd.taps, jnp.asarray([t]), t)
+    feats, _ = dflash.prefill_features(dp, c, tp, fwd.taps, jnp.asarray([t]), t)
     n = len(starts)
     cache = jax.tree.map(lambda a: jnp.broadcast_to(a, (a.shape[0], n) + a.shape[2:]), feats)
     lens = jnp.asarray(starts, jnp.int32)

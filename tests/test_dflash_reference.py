@@ -33,9 +33,9 @@ def ours(drafter, target, taps, block, commit_sizes=None):
     c, p = drafter.config, drafter.params
     t, bs = taps.shape[2], block.shape[1]
     if commit_sizes is None:
-        cache = dflash.prefill_features(p, c, target, taps, jnp.asarray([t]), t + bs)
+        cache, _ = dflash.prefill_features(p, c, target, taps, jnp.asarray([t]), t + bs)
     else:
-        cache = dflash.prefill_features(p, c, target, taps[:, :, :commit_sizes[0]], jnp.asarray([commit_sizes[0]]),
+        cache, _ = dflash.prefill_features(p, c, target, taps[:, :, :commit_sizes[0]], jnp.asarray([commit_sizes[0]]),
                                         t + bs)
         start = commit_sizes[0]
         for n in commit_sizes[1:]:
@@ -66,6 +66,24 @@ def test_configs_read_as_the_reference_reads_them():
     assert c["window_noncausal"].causal == (False, False) and c["window_noncausal"].context_window == 7
     y = c["yarn_scaled"]
     assert (y.rope_factor, y.input_embedding_scale, y.output_multiplier, y.final_logit_softcapping) == (8, 2, .5, 3)
+
+
+@pytest.mark.parametrize("name", ["taps_mha", "window_noncausal"])
+def test_a_prompt_after_a_cached_prefix_equals_the_reference(name):
+    """A prefix cache's path: the first 8 positions' context rows come from an earlier prefill (padded with
+    rows past the prefix that must be ignored), the other 12 are prefilled from position 8; the window-7 ring
+    keeps only the newest 7 of the 20."""
+    drafter, target, ref = forward_case(name)
+    c, p = drafter.config, drafter.params
+    taps, block = jnp.asarray(ref["taps"]), jnp.asarray(ref["block"])
+    t, bs = taps.shape[2], block.shape[1]
+    _, (k, v) = dflash.prefill_features(p, c, target, taps[:, :, :12], jnp.asarray([12]), t + bs)
+    junk = jnp.full_like(k[:, :, 8:], 9.0)           # rows 8..11 of the earlier prefill: not the prefix's
+    earlier = (jnp.concatenate([k[:, :, :8], junk], 2), jnp.concatenate([v[:, :, :8], junk], 2))
+    cache, _ = dflash.prefill_features(p, c, target, taps[:, :, 8:], jnp.asarray([t - 8]), t + bs,
+                                       start=jnp.asarray([8]), earlier=earlier)
+    logits = dflash.draft(p, c, target, cache, block[:, 0], jnp.asarray([t]), bs)
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def test_tool_plan_refuses_what_a_non_k2_chat_format_cannot_say():
 class ScriptedBatcher:
     """What the HTTP layer uses of a Batcher; each submitted job gets the next script, as tokens, a few per
     delivery, then <|im_end|> (eos) unless max_tokens cuts it first."""
-    method, budget, max_batch, degraded = "ar", None, 4, None
+    method, budget, max_batch, degraded, prefix = "ar", None, 4, None, None
 
     def __init__(self, tok):
         self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(eos_token_ids=tok.eos_ids))

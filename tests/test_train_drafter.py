@@ -35,6 +35,6 @@ def test_packed_training_blocks_equal_the_serving_draft():
     anchors, tokens, positions, _ = block_batch(np.random.default_rng(3), seqs, 3, 5, 255)
     packed = packed_logits(dparams, DCFG, target, taps, anchors, tokens, positions).reshape(1, 3, 5, -1)
     for i, a in enumerate(anchors[0]):
-        cache = dflash.prefill_features(dparams, DCFG, target, taps, jnp.asarray([a]), 24)
+        cache, _ = dflash.prefill_features(dparams, DCFG, target, taps, jnp.asarray([a]), 24)
         served = dflash.draft(dparams, DCFG, target, cache, jnp.asarray(seqs[:, a]), jnp.asarray([a]), 5)
         np.testing.assert_allclose(packed[0, i, 1:], served[0], rtol=2e-4, atol=2e-4)

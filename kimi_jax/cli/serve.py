@@ -31,13 +31,18 @@ def _parse(argv):
     p.add_argument("--rounds-per-dispatch", type=int, default=4)
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests beyond which the server says 429")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
+    p.add_argument("--prefix-cache-pages", type=int, default=None,
+                   help="pages of the prefix cache (default: as many tokens as max-batch full caches; 0 = off)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per prefix-cache page")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/Ctrl-C (default 30)")
     args = p.parse_args(argv)
     if not 0 <= args.shutdown_grace < float("inf"):
         p.error("--shutdown-grace must be a number of seconds >= 0")
     args.budget = parse_budget(p, args.budget)
-    for name in ("max_batch", "max_new_tokens", "rounds_per_dispatch", "queue_size"):
+    if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:
+        p.error("--prefix-cache-pages must be >= 0 (0 turns the prefix cache off)")
+    for name in ("max_batch", "max_new_tokens", "rounds_per_dispatch", "queue_size", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -56,7 +61,8 @@ def run(argv=None) -> int:
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
-                      rounds_per_dispatch=args.rounds_per_dispatch, queue_size=args.queue_size)
+                      rounds_per_dispatch=args.rounds_per_dispatch, queue_size=args.queue_size,
+                      prefix_pages=args.prefix_cache_pages, page_size=args.page_size)
     batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
     batcher.start()
     app = create_app(batcher, model.config.name)

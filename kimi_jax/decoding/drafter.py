@@ -389,6 +389,17 @@ def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, length
         return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 
+def place(cache: FeatureCache, k, v, positions, valid, end) -> FeatureCache:
+    """Context rows k, v [layers, b, n, kv_heads, head_dim] of positions [b, n] (increasing per row) into their
+    slots, where ``valid``; a ring keeps only the newest ``slots`` positions before ``end`` [b]."""
+    slots = cache.k.shape[2]
+    keep = valid & (positions >= end[:, None] - slots)
+    dst = jnp.where(keep, positions % slots, slots)
+    batch = jnp.arange(positions.shape[0])[:, None]
+    return FeatureCache(k=cache.k.at[:, batch, dst].set(k.astype(cache.k.dtype), mode="drop"),
+                        v=cache.v.at[:, batch, dst].set(v.astype(cache.v.dtype), mode="drop"))
+
+
 def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, taps, path, path_len, lengths):
     """Write the accepted path's context rows for positions lengths + j (j < path_len) into their slots.
 
@@ -401,12 +412,7 @@ def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, tap
     positions = lengths[:, None] + j
     with jax.named_scope("drafter"):
         k, v = context_kv(p, c, context_features(p, c, rows), positions)
-    slots = cache.k.shape[2]
-    keep = (j < path_len[:, None]) & (j >= path_len[:, None] - slots)
-    dst = jnp.where(keep, positions % slots, slots)
-    batch = jnp.arange(path.shape[0])[:, None]
-    return FeatureCache(k=cache.k.at[:, batch, dst].set(k.astype(cache.k.dtype), mode="drop"),
-                        v=cache.v.at[:, batch, dst].set(v.astype(cache.v.dtype), mode="drop"))
+    return place(cache, k, v, positions, j < path_len[:, None], lengths + path_len)
 
 
 def feature_slots(c: DrafterConfig, max_len: int) -> int:
@@ -415,11 +421,25 @@ def feature_slots(c: DrafterConfig, max_len: int) -> int:
     return max_len if c.context_window is None else min(max_len, c.context_window)
 
 
-def prefill_features(p, c: DrafterConfig, target_params, taps, prompt_lens, max_len: int) -> FeatureCache:
-    """The feature cache of the prompt: every prompt row committed at once."""
+def prefill_features(p, c: DrafterConfig, target_params, taps, prompt_lens, max_len: int, start=None,
+                     earlier=None) -> tuple[FeatureCache, tuple[jax.Array, jax.Array]]:
+    """The feature cache after a prompt, and the prompt's own context rows (k, v) [layers, b, t, kv_heads,
+    head_dim] (what a prefix cache keeps of its pages).
+
+    taps [n_tap, b, t, d] are the target's states of the prompt rows at positions start + j (j < prompt_lens;
+    start [b] defaults to 0). A prompt that continues a cached prefix of ``start`` positions passes that prefix's
+    rows ``earlier`` = (k, v) [layers, b, n, ...] of positions 0..n-1 (those at or past start are ignored)."""
+    del target_params
     _, b, t, _ = taps.shape
     shape = (c.num_hidden_layers, b, feature_slots(c, max_len), c.num_key_value_heads, c.head_dim)
     dtype = p["fc"].dtype
-    empty = FeatureCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-    path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return commit_features(p, c, target_params, empty, taps, path, prompt_lens, jnp.zeros((b,), jnp.int32))
+    cache = FeatureCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    start = jnp.zeros((b,), jnp.int32) if start is None else start
+    end = start + prompt_lens
+    if earlier is not None:
+        positions = jnp.broadcast_to(jnp.arange(earlier[0].shape[2], dtype=jnp.int32), (b, earlier[0].shape[2]))
+        cache = place(cache, *earlier, positions, positions < start[:, None], end)
+    j = jnp.arange(t, dtype=jnp.int32)[None, :]
+    with jax.named_scope("drafter"):
+        k, v = context_kv(p, c, context_features(p, c, taps), start[:, None] + j)
+    return place(cache, k, v, start[:, None] + j, j < prompt_lens[:, None], end), (k, v)

@@ -58,6 +58,22 @@ class Spec(NamedTuple):
 
 
 @flax.struct.dataclass
+class Prefix:
+    """Prompt pages computed by an earlier prefill (``kimi_jax.serving.prefix_cache``): the prefill copies them
+    into its rows and computes only the rest of each prompt."""
+    kv: jax.Array                 # [layers, store_pages, page, latent]: the store's latent rows
+    k: jax.Array | None           # [draft_layers, store_pages, page, kv_heads, head_dim]: drafter context K (None: ar)
+    v: jax.Array | None           # the same for V
+    pages: jax.Array              # [b, n] int32: the store page of each row's first n prompt pages; store_pages = none
+    length: jax.Array             # [b] int32: cached prefix tokens per row (whole pages)
+
+    def rows(self, store):
+        """The store's pages of every row, laid end to end: [store layers, b, n * page, ...] (zeros where none)."""
+        got = store.at[:, self.pages].get(mode="fill", fill_value=0)         # [layers, b, n, page, ...]
+        return got.reshape(got.shape[:2] + (-1,) + got.shape[4:])
+
+
+@flax.struct.dataclass
 class Inputs:
     """Everything a generation program reads at run time, as one pytree (numpy leaves travel with the launch)."""
     params: Any                   # the target's compute params (``kimi_jax.model.compute_layout``)
@@ -69,6 +85,7 @@ class Inputs:
     costs: jax.Array | None = None   # auto: the cost table [2, len(widths)] (kimi_jax.decoding.costs); else None
     force: jax.Array = -1         # auto: a width index every round verifies (calibration), -1 = the policy plans
     max_rounds: jax.Array = 2 ** 30   # rounds to run at most (calibration times rounds with the serving program)
+    prefix: Prefix | None = None  # cached pages the prompts continue (prompt/lens are then the rest of each prompt)
 
 
 @flax.struct.dataclass
@@ -144,18 +161,33 @@ def prefill(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool_page
 
     With ``spec.rt.page_size`` the latent cache is paged (kimi_jax.cache): a pool of ``pool_pages`` pages
     (static; ``kimi_jax.cache.pool_size`` of the rows' ``row_capacity``), each row owning its own pages.
+    With ``inputs.prefix`` each prompt continues cached pages (contiguous cache only).
     The auto policy plans the first round on the cost table's prior outlook (``auto.start``).
     """
-    cfg, params, prompt, prompt_lens = spec.cfg, inputs.params, inputs.prompt, inputs.lens
+    state, nan, _ = prefill_rows(inputs, spec=spec, max_new=max_new, max_len=max_len, pool_pages=pool_pages)
+    return state, nan
+
+
+def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool_pages: int = 0):
+    """``prefill``, also returning the drafter's context rows (k, v) [draft_layers, b, t, kv_heads, head_dim] of
+    the prompt positions it computed (None for ar): what a prefix cache keeps of the pages it stores."""
+    cfg, params, prompt, prompt_lens, prefix = spec.cfg, inputs.params, inputs.prompt, inputs.lens, inputs.prefix
     key = jax.random.key(inputs.seed)
     b = prompt.shape[0]
     if spec.rt.page_size:
         if pool_pages < 1:
             raise ValueError("a paged cache (Runtime.page_size) needs pool_pages (kimi_jax.cache.pool_size)")
+        if prefix is not None:
+            raise ValueError("a cached prefix is copied into a contiguous cache; this one is paged")
         cache = init_paged_cache(cfg, row_capacity(prompt_lens, max_new, spec), max_len, spec.rt.page_size,
                                  pool_pages, params["embed"].dtype)
     else:
         cache = init_cache(cfg, b, max_len, params["embed"].dtype)
+    start = jnp.zeros((b,), jnp.int32)
+    if prefix is not None:              # the cached rows at slots 0..; the prompt's rest is computed after them
+        cache = cache.replace(kv=jax.lax.dynamic_update_slice_in_dim(cache.kv, prefix.rows(prefix.kv), 0, 2),
+                              lengths=prefix.length)
+        start = prefix.length
     if spec.rt.mesh is not None:        # the cache's layout is the strategy's (dcp splits it by position)
         cache = jax.lax.with_sharding_constraint(cache, sharding.cache_sharding(cfg, spec.rt.mesh, spec.rt.strategy))
     chunk = spec.rt.prefill_chunk
@@ -169,20 +201,21 @@ def prefill(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool_page
     else:
         fwd = forward(params, cfg, prompt, cache, taps=taps, attn_form="full", rt=spec.rt)
         last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    cache = fwd.cache.replace(lengths=prompt_lens.astype(jnp.int32))
+    cache = fwd.cache.replace(lengths=(start + prompt_lens).astype(jnp.int32))
     key, sub = jax.random.split(key)
     first = _choose(last, spec, inputs.temperature, sub)
-    drafter = None
+    drafter = rows = None
     if spec.steps.uses_drafter:
-        drafter = dflash.prefill_features(inputs.drafter_params, spec.drafter_cfg, params, fwd.taps, prompt_lens,
-                                          max_len)
+        earlier = None if prefix is None else (prefix.rows(prefix.k), prefix.rows(prefix.v))
+        drafter, rows = dflash.prefill_features(inputs.drafter_params, spec.drafter_cfg, params, fwd.taps,
+                                                prompt_lens, max_len, start, earlier)
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
                   n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool), rounds=jnp.int32(0), key=key,
                   temperature=jnp.asarray(inputs.temperature, jnp.float32),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
                   policy=auto.start(spec.widths, inputs.costs, b))
     out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids, max_new)
-    return state.replace(out=out, n_out=n_out, done=done), _check_logits(last)
+    return state.replace(out=out, n_out=n_out, done=done), _check_logits(last), rows
 
 
 # ---- the five steps of a round ---------------------------------------------------------------------------
@@ -325,6 +358,7 @@ def generate_program(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, 
 
 
 prefill_program = jax.jit(prefill, static_argnames=STATICS)
+prefill_rows_program = jax.jit(prefill_rows, static_argnames=STATICS)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "rounds"), donate_argnames=("state",))

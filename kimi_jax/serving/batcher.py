@@ -50,6 +50,7 @@ from kimi_jax import sharding
 from kimi_jax.api import Model, Request, bucket
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError, State
+from kimi_jax.serving.prefix_cache import PrefixCache
 
 
 log = logging.getLogger("kimi_jax.serve")
@@ -121,6 +122,7 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     sent: int = 0
+    cached: int = 0                           # prompt tokens the prefix cache served
 
     def cancel(self):
         """Free the slot at the next dispatch (client gone, or a stop string was seen)."""
@@ -146,7 +148,8 @@ class Stats:
 
 class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
-                 method: str | None = None, budget=None, rounds_per_dispatch: int = 4, queue_size: int = 64):
+                 method: str | None = None, budget=None, rounds_per_dispatch: int = 4, queue_size: int = 64,
+                 prefix_pages: int | None = None, page_size: int = 16):
         if model.runtime.page_size:
             # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
             raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
@@ -167,6 +170,10 @@ class Batcher:
         self.slot_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
         self.queue_size = queue_size
         self.stats = Stats()
+        if prefix_pages is None:            # as many tokens as the largest batch's caches hold
+            prefix_pages = max_batch * self.max_len // page_size
+        self.prefix = (PrefixCache(model, prefix_pages, page_size, self.max_prompt, self.specs[False].steps.uses_drafter)
+                       if prefix_pages else None)
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * self.slot_buckets[0]     # one per slot of the batch state
         self._wake = threading.Condition()
@@ -232,11 +239,15 @@ class Batcher:
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
         """Compile every program the loop can run, for greedy and for sampling batches: each prompt bucket's
-        prefill, and for each slot bucket its rounds, join, retire, its growth from the bucket below and its
+        prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire, its growth from the bucket below and its
         compaction into every smaller one."""
         t0 = time.perf_counter()
         for sample in (False, True):
-            rows = [self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0) for t in self.buckets]
+            rows = []
+            for t in self.buckets:
+                if self.prefix is not None:
+                    self.prefix.clear()     # a miss: the bucket's whole prompt is prefilled, its pages stored
+                rows.append(self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0)[0])
             below = None
             for slots in self.slot_buckets:
                 state = join(self._blank(sample, slots=slots), rows[0], np.int32(0))   # rows share one shape
@@ -246,6 +257,9 @@ class Batcher:
                 for smaller in self.slot_buckets[:self.slot_buckets.index(slots)]:
                     regroup(state, _moved(slots, smaller))
                 below = state
+        if self.prefix is not None:         # warm-up's pages are not anyone's prompt
+            self.prefix.clear()
+            self.prefix.stats = type(self.prefix.stats)()
         off = " (drafter off: the calibrated costs say trees lose at some batch size)" if self.drafter_off else ""
         log(f"compiled the programs for {self.max_batch} slots (buckets {list(self.slot_buckets)}), prompts up to "
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
@@ -292,25 +306,37 @@ class Batcher:
         return len(self._slots)
 
     def _prefill(self, ids, sample, temperature, seed):
-        t = next(b for b in self.buckets if b >= len(ids))
+        """-> (the one-row state of prompt ``ids``, its tokens the prefix cache served). With a prefix cache the
+        prefill starts after the prompt's cached pages, and the prompt's new whole pages join the cache."""
+        prefix = None if self.prefix is None else self.prefix.lookup(ids)
+        cached = 0 if prefix is None else int(prefix.length[0])
+        rest = ids[cached:]
+        t = next(b for b in self.buckets if b >= len(rest))
         prompt = np.zeros((1, t), np.int32)
-        prompt[0, :len(ids)] = ids
-        return self._run_prefill(prompt, np.asarray([len(ids)], np.int32), sample, temperature, seed)
+        prompt[0, :len(rest)] = rest
+        state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), sample, temperature, seed, prefix)
+        if prefix is not None:
+            self.prefix.keep(ids, prefix, state, rows)
+        return state, cached
 
     def _blank(self, sample, temperature=1.0, seed=0, slots: int | None = None):
         """A batch state of ``slots`` (default: the smallest bucket) slots, every one free (done)."""
         slots = slots or self.slot_buckets[0]
-        state = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), sample,
-                                  temperature, seed)
+        state, _ = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), sample,
+                                     temperature, seed)
         return retire(state, np.ones(slots, bool))
 
-    def _run_prefill(self, prompt, lens, sample, temperature, seed):
-        """The engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len)."""
+    def _run_prefill(self, prompt, lens, sample, temperature, seed, prefix=None):
+        """-> (the engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len),
+        the drafter's context rows of the prompt or None). With ``prefix`` the prompt continues cached pages."""
         spec, costs = self._program(sample, len(lens))
         request = self._request(spec, len(lens), prompt, lens)
+        inputs = self.model.inputs(request, temperature, seed, costs).replace(prefix=prefix)
         with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.prefill_program(self.model.inputs(request, temperature, seed, costs), **request.statics)
-        return state
+            if prefix is None:
+                return engine.prefill_program(inputs, **request.statics)[0], None
+            state, _, rows = engine.prefill_rows_program(inputs, **request.statics)
+        return state, rows
 
     def _dispatch(self, state, sample):
         spec, costs = self._program(sample, state.done.shape[0])
@@ -400,7 +426,7 @@ class Batcher:
         if not self.active and (state is None or sample or req.group != group):
             # a new batch: the temperature and the key are the batch's (greedy batches are reused)
             state, group = self._blank(sample, max(temperature, 1e-6), req.seed, self.slots), req.group
-        row = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
+        row, req.cached = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
         return join(state, row, np.int32(slot)), group
 
     def _deliver(self):

@@ -19,7 +19,9 @@ names) when a request fails inside the server; a stream that fails after its fir
 
 Text is decoded incrementally (whole UTF-8 characters only); a stop string ends the request and is not
 returned, and text that could still become a stop string is held back until it cannot. Token counts in
-``usage`` are the prompt's and the generated tokens up to the finish (a stop token included).
+``usage`` are the prompt's and the generated tokens up to the finish (a stop token included);
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens the prefix cache served (OpenAI's field).
+``/metrics`` reports the prefix cache's hit rate and pages in use (``kimi_jax.serving.prefix_cache``).
 """
 
 from __future__ import annotations
@@ -140,6 +142,16 @@ class Metrics:
         Gauge("kimi_jax_active_slots", "slots generating now", registry=r).set_function(lambda: batcher.active)
         Gauge("kimi_jax_mean_tau", "tokens emitted per row per round since start", registry=r).set_function(
             lambda: batcher.stats.mean_tau)
+        if batcher.prefix is not None:
+            prefix = batcher.prefix
+            Gauge("kimi_jax_prefix_cache_hit_rate", "prompt tokens served by the prefix cache / prompt tokens "
+                  "looked up, since start", registry=r).set_function(lambda: prefix.stats.hit_rate)
+            Gauge("kimi_jax_prefix_cache_hit_tokens", "prompt tokens served by the prefix cache since start",
+                  registry=r).set_function(lambda: prefix.stats.hit_tokens)
+            Gauge("kimi_jax_prefix_cache_pages_used", "pages of the prefix cache holding a prompt page",
+                  registry=r).set_function(lambda: prefix.used)
+            Gauge("kimi_jax_prefix_cache_pages", "pages of the prefix cache", registry=r).set_function(
+                lambda: prefix.capacity)
 
 
 class RequestFailed(Exception):
@@ -224,7 +236,8 @@ class _Generation:
 
     def usage(self):
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens}
+                "total_tokens": self.prompt_tokens + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
 def create_app(batcher: Batcher, model_name: str) -> FastAPI:
