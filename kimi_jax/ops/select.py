@@ -65,9 +65,10 @@ def lowering_tiles(table: dict):
     return pick_tiles(table, lowering_gpu())
 
 
-def check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def check_impl(impl: str, impls: tuple = IMPLS) -> None:
+    """``impls``: what the op offers (IMPLS, or more: tree attention adds "mosaic")."""
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
 
 
 def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable):
