@@ -30,9 +30,10 @@ Structure (why it differs from the Triton kernel):
 - Tree rows: the ``t`` rows at ``lengths + j`` are gathered outside the kernel into ``[b, tp, r+p]`` (tp = t
   rounded up to 64; ~75 KB per batch row at t = 65: a tiny copy, and it makes contiguous and paged caches the
   same case). The ancestor mask is an int8 ``[b, qp, tp]`` array (74 KB per batch row at t = 65, 8 heads) that
-  the kernel loads tile by tile straight into the score layout. (A bit-packed mask, as Triton's, was tried: its
-  expansion in registers, two broadcast words, a select and a shift over the [64, 64] tile, spilled at t = 65.)
-  The tree's one or two key blocks run unrolled (as a loop they spilled at t = 65, too).
+  the kernel loads tile by tile straight into the score layout. (A bit-packed mask, as Triton's, was tried with
+  the tree blocks in a loop: its expansion in registers, two broadcast words, a select and a shift over the
+  [64, 64] tile, spilled at t = 65; the int8 tile in a loop still spilled 28 B.) The tree's key blocks (one up
+  to 64 nodes, two up to 128) run unrolled, which compiles without spills.
 - Shared memory per CTA (bf16, dv = 256, 2 stages): q 64 KiB + q_pe 8 KiB + 2 x (c_kv 64 KiB + k_pe 8 KiB) +
   the bf16 probabilities 8 KiB = 224 KiB of Hopper's 227; the float32 output tile (64 KiB) is staged after the
   loop in a second ``run_scoped``, which reuses the loop's shared memory. The probabilities go through shared
@@ -57,7 +58,7 @@ from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 BLOCK_Q = 64            # wgmma M of one warpgroup
 BLOCK_K = 64            # key rows per block: 128-byte rows in bf16, so every tile takes the 128-byte swizzle
-TARGET_CTAS = 264       # ~2 per H200 SM
+TARGET_CTAS = 132       # one per H200 SM: 226 KiB of shared memory a CTA leaves room for one CTA an SM
 MIN_BLOCKS_PER_SPLIT = 4
 
 
@@ -86,7 +87,9 @@ def _tile(dtype) -> tuple:
 
 
 def default_splits(n_blocks: int, ctas_per_split: int) -> int:
-    """Enough prefix splits for ~2 CTAs per SM, each at least MIN_BLOCKS_PER_SPLIT key blocks (as Triton's)."""
+    """Enough prefix splits for one CTA per SM, each at least MIN_BLOCKS_PER_SPLIT key blocks (as Triton's, which
+    aims at two: its CTAs are smaller). More splits cost partial states: (ns + 1) x qp x 2 KiB, written and
+    read back by the merge (docs/mosaic_gpu.md)."""
     by_occupancy = _cdiv(TARGET_CTAS, max(ctas_per_split, 1))
     return max(1, min(by_occupancy, _cdiv(n_blocks, MIN_BLOCKS_PER_SPLIT), n_blocks))
 
