@@ -78,6 +78,22 @@ def test_paged_whole_cache_at_a_layer():
     check(out, q, qpe, rows_view(pool[1], table), lengths, mask, 0.1)
 
 
+def test_whole_contiguous_cache_at_a_layer_and_a_query_that_sees_nothing():
+    """kv [layers, b, s, c] read at layer 2; row 1 has an empty prefix and its node 1 sees no key at all (outside
+    the model's contract): zeros, as api.py promises, where the kernel itself would hold junk (no second where)."""
+    b, t, h, s = 2, 3, 2, 100
+    q, qpe, _ = inputs(6, b, t, h, 1)
+    whole = jnp.asarray(np.random.default_rng(6).normal(size=(3, b, s, R + PE)), jnp.bfloat16)
+    mask = causal(b, t).at[1, 1].set(False)
+    lengths = [40, 0]
+    out = attn(q, qpe, whole, jnp.asarray(lengths, jnp.int32), mask, scale=0.1, impl="mosaic", interpret=True,
+               out_dtype=jnp.float32, layer=2)
+    assert not np.asarray(out[1, 1]).any() and np.asarray(out[1, 0]).any()
+    ref = np.array(dense_reference(q, qpe, whole[2], jnp.asarray(lengths, jnp.int32), mask, 0.1))
+    ref[1, 1] = 0                                   # the dense oracle averages all slots there
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=3e-2, atol=3e-2 * np.abs(ref).max())
+
+
 def test_wide_tree_two_query_and_tree_blocks():
     """70 nodes with random parents, one head: two query blocks and two tree key blocks (tree keys 64..69 in
     the second)."""
