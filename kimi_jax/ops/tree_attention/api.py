@@ -31,7 +31,6 @@ import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
 from kimi_jax.ops.select import IMPLS, check_impl, dispatch, lowering_gpu
-from kimi_jax.ops.tree_attention.mosaic_gpu import latent_attention_mosaic
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
@@ -84,6 +83,9 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
                                        page_table=page_table, layer=layer, out_dtype=dtype)
 
     def mosaic(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, *, interpret):
+        # imported here: Mosaic GPU's Python side loads only for programs that ask for it
+        from kimi_jax.ops.tree_attention.mosaic_gpu import latent_attention_mosaic
+
         return latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
                                        block_q=block_q, block_k=block_k, num_splits=num_splits,
                                        page_table=page_table, layer=layer, out_dtype=dtype)
@@ -92,10 +94,8 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     if impl == "mosaic":
         # Not through dispatch's platform_dependent: the GPU interpreter's io_callbacks are effects, which one
         # branch of a cond cannot have alone. The GPU is the one Pallas lowers for (select.lowering_gpu).
-        if interpret or lowering_gpu() is None:
-            if not interpret:
-                raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process '
-                                 "with a GPU), or runs with interpret=True (GPU interpret mode)")
-            return mosaic(*operands, interpret=True)
-        return mosaic(*operands, interpret=False)
+        if not interpret and lowering_gpu() is None:
+            raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process with a '
+                             "GPU), or runs with interpret=True (GPU interpret mode)")
+        return mosaic(*operands, interpret=bool(interpret))
     return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla)
