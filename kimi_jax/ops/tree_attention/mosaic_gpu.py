@@ -29,11 +29,12 @@ Structure (why it differs from the Triton kernel):
   wgmma wants the swizzles of its operands to agree (docs/mosaic_gpu.md, int4 kernel).
 - Tree rows: the ``t`` rows at ``lengths + j`` are gathered outside the kernel into ``[b, tp, r+p]`` (tp = t
   rounded up to 64; 147 KB per batch row at t = 65, against 4.7 MB of cache at 4k slots: a small copy, and it
-  makes contiguous and paged caches the same case). The ancestor mask is an int8 ``[b, qp, tp]`` array (74 KB per batch row at t = 65, 8 heads) that
-  the kernel loads tile by tile straight into the score layout. (A bit-packed mask, as Triton's, was tried with
-  the tree blocks in a loop: its expansion in registers, two broadcast words, a select and a shift over the
-  [64, 64] tile, spilled at t = 65; the int8 tile in a loop still spilled 28 B.) The tree's key blocks (one up
-  to 64 nodes, two up to 128) run unrolled, which compiles without spills.
+  makes contiguous and paged caches the same case). The ancestor mask is an int8 ``[b, qp, tp]`` array (74 KB
+  per batch row at t = 65, 8 heads) that the kernel loads tile by tile straight into the score layout. (A
+  bit-packed mask, as Triton's, was tried with the tree blocks in a loop: its expansion in registers, two
+  broadcast words, a select and a shift over the [64, 64] tile, spilled at t = 65; the int8 tile in a loop
+  still spilled 28 B.) The tree's key blocks (one up to 64 nodes, two up to 128) run unrolled, which compiles
+  without spills.
 - Shared memory per CTA (bf16, dv = 256, 2 stages): q 64 KiB + q_pe 8 KiB + 2 x (c_kv 64 KiB + k_pe 8 KiB) +
   the bf16 probabilities 8 KiB = 224 KiB (226.0 KiB with barriers and alignment, as Mosaic GPU counts it) of
   Hopper's 227; the float32 output tile (64 KiB) is staged after the
