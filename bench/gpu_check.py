@@ -10,7 +10,9 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    both impls ("pallas" with ``interpret=False`` on a GPU, "xla"), at a few shapes including K2.6 TP-8 slice
    shapes, a paged cache and bf16: max abs and max relative error (``max|y - ref| / max|ref|``) against a
    tolerance per dtype, and ok = error <= tolerance. The INT4 MoE's bf16 cases also run the Mosaic GPU kernel
-   ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, not selected by ``impl`` yet: this is how a GPU decides).
+   ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, not selected by ``impl`` yet: this is how a GPU decides), and so
+   do the tree attention's bf16 cases whose dims it takes (rope 64, latent and page size multiples of 64):
+   impl="mosaic" (``ops/tree_attention/mosaic_gpu.py``, available, not selected by "auto").
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
    group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel
@@ -18,8 +20,8 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    INT4 words + bf16 scales of the experts the call touches / time, and that as a fraction of the copy bandwidth.
    tokamax's ``ragged_dot`` over bf16 copies of the same experts runs as a peer if ``import tokamax`` works.
 4. ``attention``: tree-verify attention time vs tree width (1, 5, 17, 33, 65) at K2.6 MLA per-device dims (16
-   heads, kv_lora 512, rope 64, bf16) and cache lengths 4096 and 32768, both impls, with the latent-cache bytes
-   the call must read / time.
+   heads, kv_lora 512, rope 64, bf16) and cache lengths 4096 and 32768, both impls and the Mosaic GPU kernel
+   ("mosaic", 16-bit caches only), with the latent-cache bytes the call must read / time.
 5. ``round``: one DDTree round (draft, build_tree, verify, accept, commit) of a 3-layer K2.6 (the preset's real
    dims: 1 dense + 2 MoE layers, random INT4 experts) with a 1-layer drafter, per kernel choice, plain AR and
    ddtree budget 16, at a 4096-slot cache: ms per round from ``bench.steady.steady_rounds_program`` and the stage
@@ -125,7 +127,8 @@ TINY = Plan(
                ("tiny_bf16", 4, 256, 128, 13, 2, BF16)),         # bf16: the Mosaic GPU kernel runs too
     attn_cases=(("tiny_f32", 3, 6, 4, 32, 16, 70, 0, F32),
                 ("small_tree17_f32", 1, 17, 4, 64, 16, 128, 0, F32),
-                ("small_tree17_paged16_f32", 2, 17, 4, 64, 16, 128, 16, F32)),
+                ("small_tree17_paged16_f32", 2, 17, 4, 64, 16, 128, 16, F32),
+                ("small_tree5_paged64_bf16", 2, 5, 2, 128, 64, 128, 64, BF16)),   # bf16: the Mosaic kernel too
     moe_shape=(16, 512, 256, 4), moe_tokens=(1, 8), moe_dtype=F32,
     attn_dims=(4, 64, 16), attn_widths=(1, 5, 17), attn_caches=(128,), attn_dtype=F32,
     round_layers=3, round_budgets=(0, 4), round_impls=("xla", "pallas"), round_context=128,
@@ -282,6 +285,12 @@ def attention_inputs(rng, b, t, h, r, p, s, page, dtype):
     return q, qpe, n(b * per_row + 3, page, r + p), lengths, mask, jnp.asarray(perm.reshape(b, per_row), jnp.int32)
 
 
+def mosaic_attention_fits(r: int, p: int, page: int, dtype) -> bool:
+    """Whether the tree attention's Mosaic GPU kernel takes these dims: a 16-bit cache (wgmma), rope 64, a
+    latent and a page size that are multiples of 64 (its key blocks and swizzled tiles)."""
+    return jnp.dtype(dtype).itemsize == 2 and p == 64 and r % 64 == 0 and page % 64 == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 1. kernels against their references
 
@@ -344,21 +353,23 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
         scale = float((r // 4 + p) ** -0.5)
         ref = np.asarray(ref_fn(q, qpe, rows_view(kv, table), lengths, mask, scale=scale))
         outs = {}
-        for impl in ("pallas", "xla"):
+        for impl in ("pallas", "xla") + (("mosaic",) if mosaic_attention_fits(r, p, page, dtype) else ()):
             row = dict(kernel="tree_attention", case=name, impl=impl, batch=b, width=t, heads=h, kv_lora=r, rope=p,
                        slots=s, page_size=page, lengths=np.asarray(lengths).tolist(), dtype=jnp.dtype(dtype).name,
                        tol=tolerance(dtype, on_gpu))
             try:
                 y = attn(q, qpe, kv, lengths, mask, scale=scale, impl=impl, out_dtype=F32, page_table=table,
-                         interpret=interpret if impl == "pallas" else None)
+                         interpret=interpret if impl != "xla" else None)
                 outs[impl] = np.asarray(y)
                 row["max_abs_err"], row["max_rel_err"] = rel_err(outs[impl], ref)
                 row["ok"] = row["max_rel_err"] <= row["tol"]
             except Exception as exc:     # noqa: BLE001
                 row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
             cases.append(row)
-        if len(outs) == 2:
-            cases[-2]["max_rel_diff_vs_xla"] = rel_err(outs["pallas"], outs["xla"])[1]
+        for impl in ("pallas", "mosaic"):
+            if impl in outs and "xla" in outs:
+                next(c for c in cases[::-1] if c["impl"] == impl)["max_rel_diff_vs_xla"] = \
+                    rel_err(outs[impl], outs["xla"])[1]
         free(kv)
     done = [c for c in cases if "ok" in c]
     rec["passed"] = sum(c["ok"] for c in done)
@@ -511,9 +522,10 @@ def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
             mask = jnp.stack([tree_mask(rng, 1, t) for _ in range(n)])
             need = (s - t - 1) * (r + p) * itemsize
             row = dict(slots=s, width=t, lengths=s - t - 1, bytes_per_call=need, input_sets=n_sets)
-            for impl in ("pallas", "xla"):
+            impls = ("pallas", "xla") + (("mosaic",) if mosaic_attention_fits(r, p, 0, plan.attn_dtype) else ())
+            for impl in impls:
                 op = functools.partial(latent_attention, scale=scale, impl=impl,
-                                       interpret=interpret if impl == "pallas" else None)
+                                       interpret=interpret if impl != "xla" else None)
                 try:
                     res = timed_cycling(chain(lambda _, q, qpe, kv, ln, m, op=op: op(q, qpe, kv, ln, m), n),
                                         [((), q, qpe, kv, lengths, mask) for kv in kvs], reps=plan.reps)
@@ -816,7 +828,7 @@ def summary_lines(result: dict) -> list[str]:
             out.append(f"tree attention ({s['heads']} heads, {s['kv_lora']}+{s['rope']}, {s['dtype']}): per call us")
             for r in s["rows"]:
                 cells = [f"{i} " + ("error" if "error" in r[i] else f"{r[i]['per_call_us']:.1f}")
-                         for i in ("pallas", "xla") if i in r]
+                         for i in ("pallas", "xla", "mosaic") if i in r]
                 out.append(f"  s={r['slots']:>6} w={r['width']:>3}: " + (r.get("status") or "  ".join(cells)))
         elif name == "round" and "rows" in s:
             out.append(f"ddtree round ({s['config']}, {s['context_slots']} slots): ms per round")

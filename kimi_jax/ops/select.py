@@ -6,7 +6,9 @@
   lowered for a CPU or a TPU;
 * ``"pallas"``: the Pallas kernel on a GPU; on other platforms the same kernel in Pallas interpret mode (its own
   code run as plain HLO, which is how the tests check it on a CPU);
-* ``"xla"``: the XLA path everywhere.
+* ``"xla"``: the XLA path everywhere;
+* ``"mosaic"`` (tree attention only, its ``api.TREE_IMPLS``; not a ``Runtime`` choice yet): the Mosaic GPU kernel
+  in a program lowered for a GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere.
 
 ``interpret=True`` runs the Pallas kernel in interpret mode on every platform (a caller who asks for it).
 
@@ -22,9 +24,11 @@ Which implementation serves which target today, and why:
 target                 INT4 MoE             tree attention      why
 =====================  ===================  ==================  ================================================
 CPU, TPU               XLA                  XLA                 no Pallas GPU kernels there; TPU kernels not written
-H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       compiled and spill-free; the Mosaic GPU INT4 kernel
-                                                                (``int4_moe/mosaic_gpu.py``) compiles spill-free
-                                                                too but is depth-1 and unmeasured: not selected
+H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       compiled and spill-free; the Mosaic GPU kernels
+                                                                (``int4_moe/mosaic_gpu.py``, depth 1, and
+                                                                ``tree_attention/mosaic_gpu.py``, impl="mosaic")
+                                                                compile spill-free too but are unmeasured:
+                                                                available, not selected
 B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       compiled; Mosaic GPU not yet compiled for sm_100a
 RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       no wgmma, so Mosaic GPU's Hopper path cannot serve
                        (8 warps)            (16-query blocks)   it; own tiles (``TILES``) against spills and smem
@@ -65,9 +69,10 @@ def lowering_tiles(table: dict):
     return pick_tiles(table, lowering_gpu())
 
 
-def check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def check_impl(impl: str, impls: tuple = IMPLS) -> None:
+    """``impls``: what the op offers (IMPLS, or more: tree attention adds "mosaic")."""
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
 
 
 def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable):

@@ -18,7 +18,10 @@ gets zeros here, where the dense form (``mla._softmax`` with a finite mask value
 impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) or impl="pallas"
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
 through the table), or impl="auto": the Pallas kernel where the program is lowered for a GPU, XLA elsewhere
-(``kimi_jax.ops.select``); ``reference.py`` is the dense oracle both are tested against.
+(``kimi_jax.ops.select``); ``reference.py`` is the dense oracle they are tested against. impl="mosaic"
+(``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches only) is available but never chosen by
+"auto" until a GPU has measured it (``bench.gpu_check``). It runs compiled where the program is lowered for a
+GPU (``select.lowering_gpu``), or in Pallas' GPU interpret mode with interpret=True, and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
+from kimi_jax.ops.select import IMPLS, check_impl, dispatch, lowering_gpu
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
-from kimi_jax.ops.select import check_impl, dispatch
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
+
+
+TREE_IMPLS = IMPLS + ("mosaic",)    # "mosaic": available, not selected by "auto" (kimi_jax.ops.select's table)
 
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
@@ -40,14 +46,15 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
     new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
     dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl``: "auto", "xla" or "pallas", resolved for the platform the program is lowered for
-    (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling: block_q / block_k
-    (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache).
+    ``impl``: "auto", "xla", "pallas" or "mosaic" (IMPLS below), resolved for the platform the program is
+    lowered for (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling:
+    block_q / block_k (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache); "mosaic" has
+    block_q = block_k = 64 (None or 64) and needs a page size that is a multiple of 64.
     page_table [b, pages_per_row] int: kv is a page pool [pages, page_size, r+p] (module doc).
     layer (int or int32 scalar): kv is the whole cache [layers, ...] and this is the layer attended over; the
     Pallas kernel reads it in place (no copy of one layer's rows out of the cache).
     """
-    check_impl(impl)
+    check_impl(impl, TREE_IMPLS)
     whole = kv
     if layer is not None:
         if kv.ndim != 4:
@@ -75,5 +82,20 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
                                        block_q=block_q, block_k=block_k, num_splits=num_splits,
                                        page_table=page_table, layer=layer, out_dtype=dtype)
 
-    return dispatch((q_lat, q_pe, whole, lengths, new_mask, page_table, layer), impl=impl, interpret=interpret,
-                    pallas=pallas, xla=xla)
+    def mosaic(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, *, interpret):
+        # imported here: Mosaic GPU's Python side loads only for programs that ask for it
+        from kimi_jax.ops.tree_attention.mosaic_gpu import latent_attention_mosaic
+
+        return latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
+                                       block_q=block_q, block_k=block_k, num_splits=num_splits,
+                                       page_table=page_table, layer=layer, out_dtype=dtype)
+
+    operands = (q_lat, q_pe, whole, lengths, new_mask, page_table, layer)
+    if impl == "mosaic":
+        # Not through dispatch's platform_dependent: the GPU interpreter's io_callbacks are effects, which one
+        # branch of a cond cannot have alone. The GPU is the one Pallas lowers for (select.lowering_gpu).
+        if not interpret and lowering_gpu() is None:
+            raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process with a '
+                             "GPU), or runs with interpret=True (GPU interpret mode)")
+        return mosaic(*operands, interpret=bool(interpret))
+    return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla)
