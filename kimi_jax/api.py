@@ -296,15 +296,15 @@ class Model:
             lambda: engine.prefill_program.lower(self.inputs(request, costs=_blank_costs(request.spec)),
                                                  **request.statics))
 
-    def _chunk_program(self, request: Request, rounds: int):
-        """-> (engine.chunk_program of ``rounds`` rounds, compiled for the state the request's prefill makes,
-        seconds it took to compile)."""
+    def _chunk_program(self, request: Request):
+        """-> (engine.chunk_program compiled for the state the request's prefill makes, seconds it took to
+        compile)."""
         spec = request.spec
         state, _ = self._prefill_program(request)[0].out_info        # shapes and shardings of the state
         return self._compiled(
-            ("chunk", spec, request.prompt.shape[0], request.max_new, request.layout, rounds),
+            ("chunk", spec, request.prompt.shape[0], request.max_new, request.layout),
             lambda: engine.chunk_program.lower(self.compute_params, self.drafter_params, state, _blank_costs(spec),
-                                               spec=spec, rounds=rounds))
+                                               np.int32(0), spec=spec))
 
     def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
         """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
@@ -383,7 +383,7 @@ class Model:
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         inputs = self.inputs(request, temperature, seed)
         prefill, prefill_s = self._prefill_program(request)
-        chunk_rounds, chunk_s = self._chunk_program(request, rounds_per_dispatch)
+        chunk_rounds, chunk_s = self._chunk_program(request)
         rows = len(request.lens)
         busy, t0 = 0.0, time.perf_counter()
         state, nan = prefill(inputs)
@@ -398,7 +398,8 @@ class Model:
                 t0 = time.perf_counter()
             if done.all() or bool(nan):
                 break
-            state, bad = chunk_rounds(inputs.params, inputs.drafter_params, state, inputs.costs)
+            state, bad = chunk_rounds(inputs.params, inputs.drafter_params, state, inputs.costs,
+                                      np.int32(rounds_per_dispatch))
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)

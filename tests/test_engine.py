@@ -138,7 +138,7 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
     request = model.prepare(PROMPTS, 24, "ddtree", 8)
     state, _ = model.prefill(request)
     for _ in range(4):
-        state, _ = engine.chunk_program(model.params, model.drafter_params, state, spec=request.spec, rounds=1)
+        state, _ = engine.chunk_program(model.params, model.drafter_params, state, rounds=1, spec=request.spec)
         lengths = np.asarray(state.cache.lengths)
         for b in range(len(PROMPTS)):
             committed = (PROMPTS[b] + ar_tokens[b])[:lengths[b]]

@@ -28,7 +28,10 @@ def _parse(argv):
     p.add_argument("--max-len", type=int, default=None, help="cache slots per request (default: the context)")
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None)
     p.add_argument("--budget", default="auto", help="DDTree node budget: 'auto' or a number of nodes")
-    p.add_argument("--rounds-per-dispatch", type=int, default=4)
+    p.add_argument("--rounds-per-dispatch", type=int, default=None,
+                   help="rounds per dispatch (default: as many as fill --dispatch-ms)")
+    p.add_argument("--dispatch-ms", type=float, default=10.0,
+                   help="target length of one dispatch: how long a new request may wait to join (default 10)")
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests beyond which the server says 429")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
     p.add_argument("--prefix-cache-pages", type=int, default=None,
@@ -42,7 +45,11 @@ def _parse(argv):
     args.budget = parse_budget(p, args.budget)
     if args.prefix_cache_pages is not None and args.prefix_cache_pages < 0:
         p.error("--prefix-cache-pages must be >= 0 (0 turns the prefix cache off)")
-    for name in ("max_batch", "max_new_tokens", "rounds_per_dispatch", "queue_size", "page_size"):
+    if args.rounds_per_dispatch is not None and args.rounds_per_dispatch < 1:
+        p.error("--rounds-per-dispatch must be >= 1")
+    if not 0 < args.dispatch_ms < float("inf"):
+        p.error("--dispatch-ms must be a number of milliseconds > 0")
+    for name in ("max_batch", "max_new_tokens", "queue_size", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -61,7 +68,8 @@ def run(argv=None) -> int:
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
-                      rounds_per_dispatch=args.rounds_per_dispatch, queue_size=args.queue_size,
+                      rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms,
+                      queue_size=args.queue_size,
                       prefix_pages=args.prefix_cache_pages, page_size=args.page_size)
     batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
     batcher.start()

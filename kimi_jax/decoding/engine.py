@@ -14,7 +14,7 @@ The root is the previous round's bonus token: emitted already, not yet in the ca
 over [root] + nodes at positions P + depth with the ancestor-only mask, accept walks the tree along the target's
 own choices (argmax, or one sample per node), commit moves the accepted rows into place and emits
 ``path_len`` tokens (accepted nodes plus the new bonus). ``generate_program`` runs prefill and all rounds
-inside one ``lax.while_loop``: one dispatch per call. ``chunk_program`` runs a fixed number of rounds per
+inside one ``lax.while_loop``: one dispatch per call. ``chunk_program`` runs a given number of rounds per
 dispatch for streaming. A program's run-time inputs are one pytree (``Inputs``); what is fixed per compile is
 the ``Spec`` and the cache layout (``max_new``, ``max_len``, ``pool_pages``).
 """
@@ -361,7 +361,8 @@ prefill_program = jax.jit(prefill, static_argnames=STATICS)
 prefill_rows_program = jax.jit(prefill_rows, static_argnames=STATICS)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "rounds"), donate_argnames=("state",))
-def chunk_program(params, drafter_params, state: State, costs=None, *, spec: Spec, rounds: int):
-    """A fixed number of rounds per dispatch (streaming); the state (and its caches) is donated."""
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def chunk_program(params, drafter_params, state: State, costs=None, rounds=4, *, spec: Spec):
+    """Up to ``rounds`` rounds in one dispatch (streaming; a run-time value, so one program serves every count);
+    the state (and its caches) is donated."""
     return run_rounds(params, drafter_params, spec, state, rounds, costs)

@@ -6,14 +6,25 @@ One thread owns the device. Each turn of its loop it
    output length as the batch) and ``join`` writes that row into the running batch state;
 2. delivers every slot's new tokens to its request and retires finished slots (eos, max_tokens, a stop string
    or a disconnect seen by the HTTP side): ``retire`` marks them done, so they stop emitting;
-3. runs ``rounds_per_dispatch`` rounds of the whole batch in one dispatch (``engine.chunk_program``).
+3. runs rounds of the whole batch in one dispatch (``engine.chunk_program``).
 A slot freed in step 2 is reused in step 1 of the next turn; the other rows never stop.
+
+Rounds per dispatch: as many as fill ``dispatch_ms`` (10 ms by default) at the round time measured on the
+previous dispatches of the same slot bucket (4 before any is measured), or a fixed ``rounds_per_dispatch``. The
+count is a run-time input of one program. Why by time: a dispatch costs the host ~0.5 ms here whatever it runs
+(a lone request on this CPU spent a fifth of its time on it at 4 rounds of 0.55 ms), while a request that
+arrives waits for the running dispatch to end before it can join, and tokens stream once per dispatch; a time
+bound keeps both to ``dispatch_ms`` whether a round takes 0.5 ms (here) or 20 ms (a large model).
 
 Slot buckets: the batch state holds a bucket of slots (1, 2, 4, ... up to ``max_batch``), not always
 ``max_batch``, because every dispatch computes all of its slots, busy or not (a lone request in 16 slots ran at
 a sixth of its speed in one). A request that finds no free slot grows the state to the next bucket; when rows
 leave, nothing waits and the rest fit a smaller bucket, the state shrinks and its rows are compacted
 (``regroup``: one copy of the cache per change, never per dispatch).
+
+Prefix caching (``kimi_jax.serving.prefix_cache``, on unless ``prefix_pages=0``): step 1's prefill starts after
+the prompt's pages that an earlier prompt computed, copied from the store, and the prompt's new whole pages join
+the store. The request's ``cached`` says how many prompt tokens that served.
 
 What one batch shares, because it is one compiled program: the method and budget (the server's), greedy or
 sampling, the temperature and the random key. A request whose temperature differs from the running batch's
@@ -148,8 +159,9 @@ class Stats:
 
 class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
-                 method: str | None = None, budget=None, rounds_per_dispatch: int = 4, queue_size: int = 64,
-                 prefix_pages: int | None = None, page_size: int = 16):
+                 method: str | None = None, budget=None, rounds_per_dispatch: int | None = None,
+                 dispatch_ms: float = 10.0, queue_size: int = 64, prefix_pages: int | None = None,
+                 page_size: int = 16):
         if model.runtime.page_size:
             # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
             raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
@@ -157,7 +169,9 @@ class Batcher:
         self.model = model
         self.method = method or ("ddtree" if model.drafter is not None else "ar")
         self.budget = budget
-        self.max_batch, self.max_new, self.rounds = max_batch, max_new, rounds_per_dispatch
+        self.max_batch, self.max_new = max_batch, max_new
+        self.rounds, self.dispatch_s = rounds_per_dispatch, dispatch_ms / 1e3
+        self._round_s = {}                  # slot bucket -> seconds per round, measured on its dispatches
         self.specs = {s: model.spec(self.method, budget, 1.0 if s else 0.0) for s in (False, True)}
         nodes = self.specs[False].nodes
         self.max_len = max_len or model.config.max_position_embeddings
@@ -338,12 +352,20 @@ class Batcher:
             state, _, rows = engine.prefill_rows_program(inputs, **request.statics)
         return state, rows
 
-    def _dispatch(self, state, sample):
+    def _dispatch(self, state, sample, rounds: int = 1):
         spec, costs = self._program(sample, state.done.shape[0])
         with sharding.mesh_context(self.model.mesh):
             state, _ = engine.chunk_program(self.model.compute_params, self.model.drafter_params, state, costs,
-                                            spec=spec, rounds=self.rounds)
+                                            np.int32(rounds), spec=spec)
         return state
+
+    def _rounds(self) -> int:
+        """Rounds for the next dispatch: fixed, or as many as fill dispatch_ms in this slot bucket (between 1
+        and 64; 4 until a dispatch of the bucket was timed)."""
+        if self.rounds:
+            return self.rounds
+        per_round = self._round_s.get(self.slots)
+        return 4 if per_round is None else int(np.clip(self.dispatch_s / per_round, 1, 64))
 
     # ---- the device loop ---------------------------------------------------------------------------------------
     def _loop(self):
@@ -466,11 +488,13 @@ class Batcher:
                 self._resize(smaller)
 
     def _run_rounds(self):
-        before = int(self._state.rounds)
-        running = self.active
-        emitted = jax.device_get(self._state.n_out)
-        self._state = self._dispatch(self._state, self._group[0])
-        rounds = int(self._state.rounds) - before
+        before, emitted = jax.device_get((self._state.rounds, self._state.n_out))
+        running, t0 = self.active, time.perf_counter()
+        self._state = self._dispatch(self._state, self._group[0], self._rounds())
+        rounds = int(self._state.rounds) - int(before)
+        if rounds:                          # a moving average: rounds slow down as the rows' contexts grow
+            took, last = (time.perf_counter() - t0) / rounds, self._round_s.get(self.slots)
+            self._round_s[self.slots] = took if last is None else 0.5 * (last + took)
         self.stats.rounds += rounds
         self.stats.row_rounds += rounds * running
         self.stats.tokens += int((jax.device_get(self._state.n_out) - emitted).sum())
