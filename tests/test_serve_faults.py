@@ -123,7 +123,7 @@ def test_a_failing_dispatch_ends_its_batch_and_the_server_keeps_serving(live, mo
     dispatch, calls = batcher._dispatch, []
     release = threading.Event()
 
-    def failing_once(state, sample):
+    def failing_once(state, sample, rounds=1):
         """The first dispatch with both requests in the batch fails (earlier ones wait for the second to come)."""
         if not calls:
             deadline = time.time() + 10
@@ -133,7 +133,7 @@ def test_a_failing_dispatch_ends_its_batch_and_the_server_keeps_serving(live, mo
                 calls.append(1)
                 release.wait(10)                     # hold the failure until /health has been asked
                 raise RuntimeError("injected dispatch fault")
-        return dispatch(state, sample)
+        return dispatch(state, sample, rounds)
 
     monkeypatch.setattr(batcher, "_dispatch", failing_once)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -161,10 +161,10 @@ def test_shutdown_answers_a_request_stuck_in_the_device_within_the_grace(live, m
     unstick = threading.Event()
     dispatch = batcher._dispatch
 
-    def never_returns(state, sample):
+    def never_returns(state, sample, rounds=1):
         stuck.set()
         unstick.wait(60)
-        return dispatch(state, sample)
+        return dispatch(state, sample, rounds)
 
     monkeypatch.setattr(batcher, "_dispatch", never_returns)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
