@@ -174,8 +174,9 @@ class PrefixCache:
         ``rows``: its drafter context rows or None) computed, evicting the least recently used pages."""
         start = int(prefix.length[0])
         keys = self.index.keys(ids, min(len(ids) // self.page_size, self.max_pages))
+        evicted = self.index.evictions
         new = self.index.add(keys, start // self.page_size)
-        self.stats.evictions = self.index.evictions
+        self.stats.evictions += self.index.evictions - evicted
         if not new:
             return
         src = np.zeros(self.max_pages, np.int32)                  # one shape for every call: unused entries
