@@ -11,18 +11,24 @@ loops over ``K`` in chunks of 256 inputs. Per chunk it
 
 1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, the wgmma LHS layout),
    two ``[32, bn]`` int32 word tiles stacked into one ``[64, bn]`` tile (no swizzle: only read into registers)
-   and their ``[8, bn]`` bf16 scale rows, all on one mbarrier;
+   and their ``[8, bn]`` bf16 scale rows, all on one mbarrier, into one slot of a ``stages``-deep ring;
 2. for each nibble plane ``i`` (= scale group ``8c + i``, a ``fori_loop``): loads the words into registers,
    unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8), stores it to a 64-byte-swizzled ``[64, bn]``
    smem tile (the wgmma RHS layout), and issues one ``wgmma([bm, 32] x [32, bn])`` per stacked tile into a
    fresh float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
    running accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
 
+Pipeline: the ring has ``stages`` slots (41 KiB each: x 32 KiB, words 8 KiB, scales 1 KiB), one mbarrier per
+slot. Before the loop the copies of chunks ``0 .. stages-2`` are issued; chunk ``c`` first refills the slot chunk
+``c - 1`` used with chunk ``c + stages - 1``, then waits for its own slot, so ``stages - 1`` chunks are in
+flight while chunk ``c`` unpacks and multiplies. ``stages = 1`` is the unpipelined kernel (copy, wait,
+compute). One warpgroup both copies and computes, so no consumer barriers: a slot is refilled only after the
+warpgroup finished with it (wgmmas waited for, ordinary loads fenced by ``commit_smem``).
+
 gate/up stacks the gate and up tiles of the same ``bn = 32`` columns and writes ``h = silu(g) * u`` in the
 activation dtype; down stacks two adjacent 32-column tiles of ``w2`` and writes float32. ``bm`` must be 64
 (wgmma's M per warpgroup); at decode most of a block's rows are padding, which costs tensor-core work and
-activation/output bytes but no weight bytes. Depth-1 pipeline: the copies of chunk ``c + 1`` are issued only
-after chunk ``c``'s wgmmas have completed. Why 32-column tiles and stacked word tiles: docs/mosaic_gpu.md.
+activation/output bytes but no weight bytes. Why 32-column tiles and stacked word tiles: docs/mosaic_gpu.md.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input ch
 class Tiles:
     block_n_gate_up: int = 32
     block_n_down: int = 32     # x2: a CTA writes two adjacent 32-column tiles
+    # Chunks in the copy ring (1 = no TMA/compute overlap), 41 KiB of smem each. 2: a CTA needs 90 KiB (gate/up)
+    # or 102 KiB (down), so two CTAs share an SM's 228 KiB and overlap each other's serial unpack-and-wgmma work;
+    # 3-4 (up to 184 KiB, one CTA an SM) keep more copies in flight per CTA. Not measured on a GPU yet.
+    stages: int = 2
 
 
 def _interpret_params(interpret):
@@ -63,7 +73,8 @@ def _swizzled(minor_elems: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dtype, epilogue, interpret):
+def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages: int, out_dtype, epilogue,
+                    interpret):
     """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
 
     ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
@@ -84,7 +95,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dty
     x_dtype = xs.dtype
     n_out = 2 if pair_cols else 1
 
-    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bar):
+    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
         b = lax.axis_index("b")
         j = lax.axis_index("n")
         e = be_gmem[b]
@@ -92,37 +103,50 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dty
         def src(m):      # (matrix, first column) of weight tile m
             return (0, (2 * j + m) * bn) if pair_cols else (m, j * bn)
 
+        def fetch(c):    # chunk c's activations, words and scales into ring slot c % stages, on that slot's barrier
+            slot = lax.rem(c, stages)
+            bar = bars.at[slot]
+            for i in range(GROUPS):
+                plgpu.copy_gmem_to_smem(
+                    x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
+                    x_smem.at[slot, i], bar)
+            for m in range(2):
+                mat, col = src(m)
+                plgpu.copy_gmem_to_smem(w_gmem.at[e, mat, pl.ds(c * WORD_ROWS, WORD_ROWS), pl.ds(col, bn)],
+                                        w_smem.at[slot, pl.ds(m * WORD_ROWS, WORD_ROWS)], bar)
+                plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
+                                        s_smem.at[slot, m], bar)
+
         @pl.when(e >= 0)
         def _():
+            for c in range(min(stages - 1, n_chunks)):    # the ring's first stages - 1 chunks
+                fetch(c)
+
             def chunk(c, accs):
-                for i in range(GROUPS):
-                    plgpu.copy_gmem_to_smem(
-                        x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
-                        x_smem.at[i], bar)
-                for m in range(2):
-                    mat, col = src(m)
-                    plgpu.copy_gmem_to_smem(w_gmem.at[e, mat, pl.ds(c * WORD_ROWS, WORD_ROWS), pl.ds(col, bn)],
-                                            w_smem.at[pl.ds(m * WORD_ROWS, WORD_ROWS)], bar)
-                    plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
-                                            s_smem.at[m], bar)
-                plgpu.barrier_wait(bar)
+                slot = lax.rem(c, stages)
+                # Refill the slot chunk c - 1 used with chunk c + stages - 1. Chunk c - 1's wgmmas have completed
+                # (waited below), but its words and scales were read by every thread with ordinary loads: the
+                # warpgroup barrier and async-proxy fence of commit_smem keep the TMA from overwriting them early.
+                plgpu.commit_smem()
+                pl.when(c + stages - 1 < n_chunks)(lambda: fetch(c + stages - 1))
+                plgpu.barrier_wait(bars.at[slot])
+
                 def group(i, accs):
-                    words = w_smem[...]                    # [64, bn] int32: both tiles' word rows
+                    words = w_smem[slot]                   # [64, bn] int32: both tiles' word rows
                     q_smem[...] = (((words >> (4 * i)) & 0xF) - 8).astype(x_dtype)
                     plgpu.commit_smem()
                     accs = list(accs)
                     for m in range(2):
                         def mma(acc_ref, m=m):
-                            plgpu.wgmma(acc_ref, x_smem.at[i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
+                            plgpu.wgmma(acc_ref, x_smem.at[slot, i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
                         part = pl.run_scoped(mma, plgpu.ACC((bm, bn), F32))
-                        accs[m] = accs[m] + part * s_smem[m, i].astype(F32)[None, :]
+                        accs[m] = accs[m] + part * s_smem[slot, m, i].astype(F32)[None, :]
                     return tuple(accs)
 
-                accs = lax.fori_loop(0, GROUPS, group, accs)
-                return tuple(accs)
+                return lax.fori_loop(0, GROUPS, group, accs)
 
             zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
@@ -141,12 +165,12 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dty
         grid=(nb, n // cta_n),
         grid_names=("b", "n"),
         scratch_types=[
-            plgpu.SMEM((GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
-            plgpu.SMEM((2 * WORD_ROWS, bn), jnp.int32),
-            plgpu.SMEM((2, GROUPS, bn), s.dtype),
+            plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
+            plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
+            plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype),
             plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(bn, x_dtype)),
             plgpu.SMEM((n_out, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
-            plgpu.Barrier(num_arrivals=n_copies),
+            plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
@@ -168,18 +192,19 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
     h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=tiles.block_n_gate_up,
-                        out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret)
+                        stages=tiles.stages, out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
     return _grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True, bn=tiles.block_n_down,
-                           out_dtype=F32, epilogue=lambda a: a, interpret=interpret)
+                           stages=tiles.stages, out_dtype=F32, epilogue=lambda a: a, interpret=interpret)
 
 
-def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False) -> jax.Array:
+def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
+                    tiles: Tiles | None = None) -> jax.Array:
     """``api.int4_moe``'s computation through the Mosaic GPU kernels (routing with 64-row blocks)."""
     from kimi_jax.ops.int4_moe.routing import combine, gather_rows, sort_by_expert
 
     t, k = topk_idx.shape
     routing = sort_by_expert(topk_idx, experts.num_experts, MOSAIC_BLOCK_M)
     xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
-    out = experts_mosaic(xs, routing.block_expert, experts, interpret)
+    out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
     return combine(out, routing, topk_weight).astype(jnp.float32)
