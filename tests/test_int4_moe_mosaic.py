@@ -21,38 +21,53 @@ from test_int4_moe import check_close, random_experts, routing
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 E, D, F = 4, 256, 128
 
-mosaic = jax.jit(lambda x, i, w, ex, stages: int4_moe_mosaic(x, i, w, ex, interpret=True, tiles=Tiles(stages=stages)),
+mosaic = jax.jit(lambda x, i, w, ex, tiles: int4_moe_mosaic(x, i, w, ex, interpret=True, tiles=tiles),
                  static_argnums=4)
 triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interpret=True))
 
 
+# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70
+@pytest.mark.parametrize("block_m", [None, 64])
 @pytest.mark.parametrize("stages", [1, Tiles().stages])
 @pytest.mark.parametrize("t,k,kind", [
     (13, 2, "random"),       # ragged groups
     (1, 4, "random"),        # decode: one token, one real row per block
-    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: still one 64-row block each
+    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: two 32-row blocks, or one 64-row block
     pytest.param(70, 2, "one_expert", marks=pytest.mark.slow),   # 70 rows on expert 3: two blocks of one expert
 ])
-def test_mosaic_interpret_matches_reference(t, k, kind, stages):
+def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(t + k, t, k, e=E, kind=kind)
     x = jnp.asarray(np.random.default_rng(t).normal(size=(t, D)), jnp.bfloat16)
-    y = mosaic(x, idx, w, ex, stages)
+    y = mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m))
     # bf16 activations and h, exact int4 weights, float32 accumulation: the Triton kernel's bf16 tolerance
     check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
     # the same numerics as the Triton kernel (scale applied to each group's float32 partial sum)
     check_close(y, triton(x, idx, w, ex), rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages", [2, 4, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
-def test_mosaic_pipeline_wraps_its_ring(stages):
+@pytest.mark.parametrize("stages,block_m", [(2, None), (4, None), (2, 64)] + [
+    pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(1, None), (3, None), (4, 64), (3, 8)]])
+def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     """D = 1024 and F = 512: 4 chunks in gate/up and 2 in down, so the copy ring wraps (2, 3 stages), fills
-    exactly (down at 2) or holds more slots than chunks (4 stages); all must give the depth-1 numbers."""
-    d, f, e = 1024, 512, 2      # two experts: two row blocks, the least interpret-mode work
+    exactly (down at 2) or holds more slots than chunks (4 stages); all must give the Triton kernel's numbers.
+    The default block here is 16 rows (swapped)."""
+    d, f, e = 1024, 512, 2      # two experts: the least interpret-mode work
     ex = random_experts(1, e=e, d=d, f=f)
     idx, w = routing(5, 9, 2, e=e)
     x = jnp.asarray(np.random.default_rng(9).normal(size=(9, d)), jnp.bfloat16)
-    check_close(mosaic(x, idx, w, ex, stages), triton(x, idx, w, ex), rtol=1e-5)
+    check_close(mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m)), triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_mosaic_block_sizes():
+    """Swapped (tokens as wgmma's N) below 64 rows a block, a multiple of 8; 64 rows unswapped."""
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(0, 3, 2, e=E)
+    x = jnp.zeros((3, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="row blocks of 64 rows"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(block_m=4))
+    with pytest.raises(ValueError, match="row blocks of 64 rows"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(block_m=128))
 
 
 def test_mosaic_rejects_f32_activations():
@@ -91,18 +106,23 @@ def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd):
     return hlo, report.out + report.err, smem
 
 
-# Shared memory per CTA, gate/up and down, as Mosaic GPU counts it (scratch + barriers): 41 KiB a stage
-SMEM_KIB = {1: (49, 61), 2: (90, 102), 3: (131, 143), 4: (172, 184)}
+# Shared memory per CTA (KiB), gate/up and down, as Mosaic GPU counts it (scratch and barriers), per stage count:
+# 64-row blocks (41 KiB a stage) and 8-row swapped blocks (22 KiB a stage)
+SMEM_KIB = {64: {1: (49, 61), 2: (90, 102), 3: (131, 143), 4: (172, 184)},
+            8: {1: (31, 34), 2: (53, 56), 3: (75, 78), 4: (97, 100)}}
 
 
+# block_m None: the default, which is 8 rows (swapped) at 1, 8 and 64 tokens of K2.6 (<= 2 rows a touched expert)
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("tokens,stages", [(8, Tiles().stages)] + [
-    pytest.param(t, s, marks=pytest.mark.slow) for t, s in [(1, Tiles().stages), (64, Tiles().stages), (8, 1),
-                                                            (8, 3), (8, 4)]])
-def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, monkeypatch, capfd):
-    hlo, ptxas, smem = compile_k26_slice("h200", tokens, Tiles(stages=stages), monkeypatch, capfd)
+@pytest.mark.parametrize("tokens,stages,block_m", [(8, Tiles().stages, None), (64, Tiles().stages, 64)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (1, Tiles().stages, None), (64, Tiles().stages, None), (8, 1, None), (8, 3, None), (8, 4, None),
+        (8, 1, 64), (8, 3, 64), (8, 4, 64)]])
+def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch, capfd):
+    hlo, ptxas, smem = compile_k26_slice("h200", tokens, Tiles(stages=stages, block_m=block_m), monkeypatch, capfd)
     assert len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)) == 2
-    assert [round(b / 1024) for b in smem] == list(SMEM_KIB[stages]) and max(smem) <= 227 * 1024, smem
+    assert [round(b / 1024) for b in smem] == list(SMEM_KIB[block_m or 8][stages]), smem
+    assert max(smem) <= 227 * 1024     # Mosaic GPU refuses more at lowering too
     used = re.findall(r"Used (\d+) registers", ptxas)
     if not used:
         pytest.skip("ptxas printed no report (MOSAIC_GPU_DUMP_PTXAS read before this test?); spills unchecked")

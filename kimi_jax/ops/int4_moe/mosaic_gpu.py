@@ -9,26 +9,38 @@ Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgr
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
 loops over ``K`` in chunks of 256 inputs. Per chunk it
 
-1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, the wgmma LHS layout),
+1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, a wgmma operand),
    two ``[32, bn]`` int32 word tiles stacked into one ``[64, bn]`` tile (no swizzle: only read into registers)
    and their ``[8, bn]`` bf16 scale rows, all on one mbarrier, into one slot of a ``stages``-deep ring;
 2. for each nibble plane ``i`` (= scale group ``8c + i``, a ``fori_loop``): loads the words into registers,
    unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8), stores it to a 64-byte-swizzled ``[64, bn]``
-   smem tile (the wgmma RHS layout), and issues one ``wgmma([bm, 32] x [32, bn])`` per stacked tile into a
-   fresh float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
+   smem tile (a wgmma operand), and issues one wgmma per stacked tile (the two tilings below) into a fresh
+   float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
    running accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
 
-Pipeline: the ring has ``stages`` slots (41 KiB each: x 32 KiB, words 8 KiB, scales 1 KiB), one mbarrier per
-slot. Before the loop the copies of chunks ``0 .. stages-2`` are issued; chunk ``c`` first refills the slot chunk
-``c - 1`` used with chunk ``c + stages - 1``, then waits for its own slot, so ``stages - 1`` chunks are in
-flight while chunk ``c`` unpacks and multiplies. ``stages = 1`` is the unpipelined kernel (copy, wait,
+Pipeline: the ring has ``stages`` slots, one mbarrier each (a slot is 41 KiB at 64-row blocks: x 32, words 8,
+scales 1; 22 KiB at 8-row swapped blocks: x 4, words 16, scales 2). Before the loop the copies of chunks
+``0 .. stages-2`` are issued; chunk ``c`` first refills the slot chunk ``c - 1`` used with chunk
+``c + stages - 1``, then waits for its own slot, so ``stages - 1`` chunks are in flight while chunk ``c``
+unpacks and multiplies. ``stages = 1`` is the unpipelined kernel (copy, wait,
 compute). One warpgroup both copies and computes, so no consumer barriers: a slot is refilled only after the
 warpgroup finished with it (wgmmas waited for, ordinary loads fenced by ``commit_smem``).
 
-gate/up stacks the gate and up tiles of the same ``bn = 32`` columns and writes ``h = silu(g) * u`` in the
-activation dtype; down stacks two adjacent 32-column tiles of ``w2`` and writes float32. ``bm`` must be 64
-(wgmma's M per warpgroup); at decode most of a block's rows are padding, which costs tensor-core work and
-activation/output bytes but no weight bytes. Why 32-column tiles and stacked word tiles: docs/mosaic_gpu.md.
+gate/up stacks the gate and up tiles of the same ``bn`` columns and writes ``h = silu(g) * u`` in the
+activation dtype; down stacks two adjacent ``bn``-column tiles of ``w2`` and writes float32. Why stacked word
+tiles and 64-byte swizzles: docs/mosaic_gpu.md.
+
+Two tilings, chosen by the routing block ``bm`` (``Tiles.block_m``; by default the next power of two of the
+mean rows per touched expert, in [8, 64]):
+
+- ``bm = 64`` rows (wgmma's M per warpgroup), ``bn = 32`` weight columns a tile: ``acc [64, 32] += x [64, 32]
+  q [32, 32]``. At decode most rows are padding: tensor-core work, and activation/output bytes (64 gathered rows
+  of ``D`` bf16 and 64 float32 output rows a block).
+- ``bm`` = 8, 16 or 32 rows, **swapped**: the weight columns fill wgmma's M (``bn = 64``) and the block's rows are
+  its N (a multiple of 8): ``acc [64, bm] += q^T [64, 32] x^T [32, bm]``, both operands transposed views of the
+  same smem tiles (16-bit wgmma reads either major order). The kernels write ``[N, rows]``; ``experts_mosaic``
+  transposes ``h`` (rows x F bf16) and the output (fused into ``combine``'s gather). At K2.6 decode this cuts
+  the gathered and written rows 8-fold (bm 8 instead of 64) and the x tiles in smem from 32 to 4 KiB a stage.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
 
-MOSAIC_BLOCK_M = 64      # rows per routing block: one wgmma M tile of one warpgroup
+WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
 
 
@@ -52,10 +64,13 @@ GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input ch
 class Tiles:
     block_n_gate_up: int = 32
     block_n_down: int = 32     # x2: a CTA writes two adjacent 32-column tiles
-    # Chunks in the copy ring (1 = no TMA/compute overlap), 41 KiB of smem each. 2: a CTA needs 90 KiB (gate/up)
-    # or 102 KiB (down), so two CTAs share an SM's 228 KiB and overlap each other's serial unpack-and-wgmma work;
-    # 3-4 (up to 184 KiB, one CTA an SM) keep more copies in flight per CTA. Not measured on a GPU yet.
+    # Chunks in the copy ring (1 = no TMA/compute overlap). 2: a CTA needs at most 90 KiB (gate/up) and 102 KiB
+    # (down) of smem at 64-row blocks, 53 and 56 KiB at 8-row ones, so two or more CTAs share an SM's 228 KiB and
+    # overlap each other's serial unpack-and-wgmma work; 3-4 (up to 184 KiB) keep more copies in flight per
+    # CTA. Not measured on a GPU yet.
     stages: int = 2
+    # Rows per routing block: 64, or 8, 16, 32 (swapped kernels); None: int4_moe_mosaic picks
+    block_m: int | None = None
 
 
 def _interpret_params(interpret):
@@ -70,6 +85,8 @@ def _interpret_params(interpret):
 def _swizzled(minor_elems: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor_elems * bits)
+    if swizzle < 32:    # rows of 16 bytes (a swapped [64, 8] bf16 output tile): no swizzle exists, plain rows
+        return ()
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -78,7 +95,8 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
 
     ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
-    tile ``m`` = matrix ``m``, columns ``n*bn``; ``epilogue(acc_0, acc_1)`` -> one ``[bm, bn]`` output tile.
+    tile ``m`` = matrix ``m``, columns ``n*bn``; ``epilogue(acc_0, acc_1)`` -> one output tile (``[bm, bn]``,
+    swapped ``[bn, bm]``).
     ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns ``(2n + m)*bn`` of the one matrix; each
     accumulator is written as it is. Stacking two 32-row word tiles makes the register tile 64 rows, which
     Mosaic GPU's layout inference can store into a swizzled shared-memory tile (a 32-row int32 tile cannot:
@@ -88,12 +106,15 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     k_rows, n = w.shape[-2:]
     n_chunks = k_rows // WORD_ROWS
     cta_n = 2 * bn if pair_cols else bn
-    if bm != MOSAIC_BLOCK_M:
-        raise ValueError(f"the Mosaic GPU kernel needs row blocks of {MOSAIC_BLOCK_M}, got {bm}")
+    swap = bm < WGMMA_M      # the tokens as wgmma's N, the weight columns as its M (module doc)
+    if (bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M:
+        raise ValueError(f"the Mosaic GPU kernel takes row blocks of {WGMMA_M} rows and {GROUP_SIZE}-column "
+                         f"weight tiles, or fewer rows (a multiple of 8) and {WGMMA_M}-column tiles; got {bm}, {bn}")
     if n % cta_n or xs.shape[1] != n_chunks * CHUNK:
         raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}")
     x_dtype = xs.dtype
     n_out = 2 if pair_cols else 1
+    acc_shape = (bn, bm) if swap else (bm, bn)
 
     def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
         b = lax.axis_index("b")
@@ -138,38 +159,45 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
                     accs = list(accs)
                     for m in range(2):
                         def mma(acc_ref, m=m):
-                            plgpu.wgmma(acc_ref, x_smem.at[slot, i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
+                            x, q = x_smem.at[slot, i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)]
+                            if swap:    # [bn, bm] += q^T [bn, 32] x^T [32, bm]
+                                plgpu.wgmma(acc_ref, q.transpose((1, 0)), x.transpose((1, 0)))
+                            else:       # [bm, bn] += x [bm, 32] q [32, bn]
+                                plgpu.wgmma(acc_ref, x, q)
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
-                        part = pl.run_scoped(mma, plgpu.ACC((bm, bn), F32))
-                        accs[m] = accs[m] + part * s_smem[slot, m, i].astype(F32)[None, :]
+                        part = pl.run_scoped(mma, plgpu.ACC(acc_shape, F32))
+                        scale = s_smem[slot, m, i].astype(F32)          # [bn]: one per weight column
+                        accs[m] = accs[m] + part * lax.broadcast_in_dim(scale, acc_shape, [0 if swap else 1])
                     return tuple(accs)
 
                 return lax.fori_loop(0, GROUPS, group, accs)
 
-            zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(2))
+            zeros = tuple(jnp.zeros(acc_shape, F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
             outs = accs if pair_cols else (epilogue(*accs),)
             for m, out in enumerate(outs):
                 o_smem[m] = out.astype(out_dtype)
             plgpu.commit_smem()
             for m in range(n_out):
-                plgpu.copy_smem_to_gmem(o_smem.at[m], o_gmem.at[pl.ds(b * bm, bm), pl.ds(j * cta_n + m * bn, bn)])
+                rows, cols = pl.ds(b * bm, bm), pl.ds(j * cta_n + m * bn, bn)
+                plgpu.copy_smem_to_gmem(o_smem.at[m], o_gmem.at[(cols, rows) if swap else (rows, cols)])
             plgpu.wait_smem_to_gmem(0)
 
     n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((xs.shape[0], n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((n, xs.shape[0]) if swap else (xs.shape[0], n), out_dtype),
         grid=(nb, n // cta_n),
         grid_names=("b", "n"),
         scratch_types=[
             plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
             plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
             plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype),
-            plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(bn, x_dtype)),
-            plgpu.SMEM((n_out, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
+            # 64-byte swizzle for both wgmma operands (their swizzles must agree; 32 K elements = 64 B)
+            plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
+            plgpu.SMEM((n_out, *acc_shape), out_dtype, transforms=_swizzled(acc_shape[1], out_dtype)),
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -184,27 +212,37 @@ def _swiglu(g, u):
 
 def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret=False,
                    tiles: Tiles | None = None) -> jax.Array:
-    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks; ``interpret``: True (or an
-    ``InterpretGPUParams``) runs the kernels in Pallas' GPU interpret mode on the CPU."""
+    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks (64 rows, or fewer: swapped); ``interpret``:
+    True (or an ``InterpretGPUParams``) runs the kernels in Pallas' GPU interpret mode on the CPU."""
     tiles = tiles or Tiles()
     f_rows, d = ex.w2.shape[-2:]
     f = ex.w13.shape[-1]
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
-    h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=tiles.block_n_gate_up,
-                        stages=tiles.stages, out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret)
+    swap = xs.shape[0] // block_expert.shape[0] < WGMMA_M
+    # swapped, the kernels write [N, rows]; h and the output are transposed here (decode sizes: h is
+    # rows x F / 8 bf16 at TP-8, and the transpose of the output fuses into combine's gather)
+    transposed = (lambda a: a.T) if swap else (lambda a: a)
+    h = transposed(_grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False,
+                                   bn=WGMMA_M if swap else tiles.block_n_gate_up, stages=tiles.stages,
+                                   out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret))
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
-    return _grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True, bn=tiles.block_n_down,
-                           stages=tiles.stages, out_dtype=F32, epilogue=lambda a: a, interpret=interpret)
+    return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
+                                      bn=WGMMA_M if swap else tiles.block_n_down, stages=tiles.stages,
+                                      out_dtype=F32, epilogue=lambda a: a, interpret=interpret))
 
 
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
                     tiles: Tiles | None = None) -> jax.Array:
-    """``api.int4_moe``'s computation through the Mosaic GPU kernels (routing with 64-row blocks)."""
-    from kimi_jax.ops.int4_moe.routing import combine, gather_rows, sort_by_expert
+    """``api.int4_moe``'s computation through the Mosaic GPU kernels: routing blocks of ``tiles.block_m`` rows,
+    by default the next power of two of the mean rows per touched expert in [8, 64] (``routing.default_block_m``;
+    under 64 the kernels run swapped)."""
+    from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 
+    tiles = tiles or Tiles()
     t, k = topk_idx.shape
-    routing = sort_by_expert(topk_idx, experts.num_experts, MOSAIC_BLOCK_M)
+    bm = tiles.block_m or default_block_m(t * k, experts.num_experts, 8, WGMMA_M)
+    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
     xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
     out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
     return combine(out, routing, topk_weight).astype(jnp.float32)
