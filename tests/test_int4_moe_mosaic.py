@@ -59,6 +59,16 @@ def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     check_close(mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m)), triton(x, idx, w, ex), rtol=1e-5)
 
 
+def test_mosaic_float16_activations():
+    """f16 takes the unpack's other base (1024 instead of bf16's 128)."""
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(15, 13, 2, e=E)
+    x = jnp.asarray(np.random.default_rng(13).normal(size=(13, D)), jnp.float16)
+    y = mosaic(x, idx, w, ex, Tiles())
+    check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
 def test_mosaic_block_sizes():
     """Swapped (tokens as wgmma's N) below 64 rows a block, a multiple of 8; 64 rows unswapped."""
     ex = random_experts(0, e=E, d=D, f=F)

@@ -13,7 +13,8 @@ loops over ``K`` in chunks of 256 inputs. Per chunk it
    two ``[32, bn]`` int32 word tiles stacked into one ``[64, bn]`` tile (no swizzle: only read into registers)
    and their ``[8, bn]`` bf16 scale rows, all on one mbarrier, into one slot of a ``stages``-deep ring;
 2. for each nibble plane ``i`` (= scale group ``8c + i``, a ``fori_loop``): loads the words into registers,
-   unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8), stores it to a 64-byte-swizzled ``[64, bn]``
+   unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8) without an int->float conversion
+   (``_unpack``), stores it to a 64-byte-swizzled ``[64, bn]``
    smem tile (a wgmma operand), and issues one wgmma per stacked tile (the two tilings below) into a fresh
    float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
    running accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
@@ -49,6 +50,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -88,6 +90,18 @@ def _swizzled(minor_elems: int, dtype) -> tuple:
     if swizzle < 32:    # rows of 16 bytes (a swapped [64, 8] bf16 output tile): no swizzle exists, plain rows
         return ()
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _unpack(words, i, dtype):
+    """Nibble plane ``i`` of ``words`` as ``q = u - 8`` in ``dtype`` without an int->float conversion: ``u``
+    becomes the low mantissa bits of the float ``2^m`` whose unit in the last place is 1 (bf16 128, f16 1024),
+    read as ``2^m + u`` and shifted by ``2^m + 8`` (both exact). The PTX then has a shift, an and/or, half a
+    ``prmt`` and half an ``add.bf16x2`` per weight instead of a ``cvt.rn.bf16.s32``, a conversion the SM runs at a
+    fraction of its integer rate (docs/mosaic_gpu.md)."""
+    base = {jnp.dtype(jnp.bfloat16): 128.0, jnp.dtype(jnp.float16): 1024.0}[jnp.dtype(dtype)]
+    bits = int(np.asarray(base, dtype).view(np.uint16))
+    u = ((words >> (4 * i)) & 0xF) | bits
+    return lax.bitcast_convert_type(u.astype(jnp.int16), dtype) - jnp.asarray(base + 8, dtype)
 
 
 def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages: int, out_dtype, epilogue,
@@ -154,7 +168,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
 
                 def group(i, accs):
                     words = w_smem[slot]                   # [64, bn] int32: both tiles' word rows
-                    q_smem[...] = (((words >> (4 * i)) & 0xF) - 8).astype(x_dtype)
+                    q_smem[...] = _unpack(words, i, x_dtype)
                     plgpu.commit_smem()
                     accs = list(accs)
                     for m in range(2):
