@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from kimi_jax.analysis import targets
 from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.api import int4_moe
-from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
+from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, gate_up_splits, int4_moe_mosaic
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
 from test_int4_moe import check_close, random_experts, routing
 
@@ -57,6 +57,23 @@ def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     idx, w = routing(5, 9, 2, e=e)
     x = jnp.asarray(np.random.default_rng(9).normal(size=(9, d)), jnp.bfloat16)
     check_close(mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m)), triton(x, idx, w, ex), rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_m,splits", [(None, 2), (64, 4)])
+def test_mosaic_gate_up_split_k(block_m, splits):
+    """gate/up over K splits (float32 partial sums, silu outside): D = 1024 is 4 chunks, 2 or 1 per split."""
+    d, f, e = 1024, 256, 2
+    ex = random_experts(2, e=e, d=d, f=f)
+    idx, w = routing(6, 5, 2, e=e)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(5, d)), jnp.bfloat16)
+    y = mosaic(x, idx, w, ex, Tiles(block_m=block_m, splits_gate_up=splits))
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_gate_up_splits_fill_h200_at_decode():
+    # K2.6 TP-8 (D = 7168: 28 chunks, F = 256): 8 blocks x 4 column tiles at one token, 64 x 4 at eight
+    assert gate_up_splits(8 * 4, 28) == 7 and gate_up_splits(64 * 4, 28) == 1
+    assert gate_up_splits(8 * 4, 1) == 1      # too few chunks to split
 
 
 def test_mosaic_float16_activations():
@@ -117,21 +134,23 @@ def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd):
 
 
 # Shared memory per CTA (KiB), gate/up and down, as Mosaic GPU counts it (scratch and barriers), per stage count:
-# 64-row blocks (41 KiB a stage) and 8-row swapped blocks (22 KiB a stage)
+# 64-row blocks (41 KiB a stage) and 8-row swapped blocks (22 KiB a stage). At one token gate/up splits K
+# (gate_up_splits: 7 splits swapped, 4 at 64 rows) and writes two float32 tiles, as down does: down's smem.
 SMEM_KIB = {64: {1: (49, 61), 2: (90, 102), 3: (131, 143), 4: (172, 184)},
             8: {1: (31, 34), 2: (53, 56), 3: (75, 78), 4: (97, 100)}}
 
 
 # block_m None: the default, which is 8 rows (swapped) at 1, 8 and 64 tokens of K2.6 (<= 2 rows a touched expert)
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("tokens,stages,block_m", [(8, Tiles().stages, None), (64, Tiles().stages, 64)] + [
+@pytest.mark.parametrize("tokens,stages,block_m", [(1, Tiles().stages, None), (64, Tiles().stages, 64)] + [
     pytest.param(*case, marks=pytest.mark.slow) for case in [
-        (1, Tiles().stages, None), (64, Tiles().stages, None), (8, 1, None), (8, 3, None), (8, 4, None),
-        (8, 1, 64), (8, 3, 64), (8, 4, 64)]])
+        (8, Tiles().stages, None), (64, Tiles().stages, None), (1, Tiles().stages, 64), (8, 1, None),
+        (8, 3, None), (8, 4, None), (8, 1, 64), (8, 3, 64), (8, 4, 64)]])
 def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch, capfd):
     hlo, ptxas, smem = compile_k26_slice("h200", tokens, Tiles(stages=stages, block_m=block_m), monkeypatch, capfd)
     assert len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)) == 2
-    assert [round(b / 1024) for b in smem] == list(SMEM_KIB[block_m or 8][stages]), smem
+    gate_up, down = SMEM_KIB[block_m or 8][stages]
+    assert [round(b / 1024) for b in smem] == [down if tokens == 1 else gate_up, down], smem
     assert max(smem) <= 227 * 1024     # Mosaic GPU refuses more at lowering too
     used = re.findall(r"Used (\d+) registers", ptxas)
     if not used:

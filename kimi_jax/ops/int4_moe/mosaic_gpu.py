@@ -28,7 +28,9 @@ compute). One warpgroup both copies and computes, so no consumer barriers: a slo
 warpgroup finished with it (wgmmas waited for, ordinary loads fenced by ``commit_smem``).
 
 gate/up stacks the gate and up tiles of the same ``bn`` columns and writes ``h = silu(g) * u`` in the
-activation dtype; down stacks two adjacent ``bn``-column tiles of ``w2`` and writes float32. Why stacked word
+activation dtype; down stacks two adjacent ``bn``-column tiles of ``w2`` and writes float32. Where gate/up's grid
+is small (one token: 8 blocks x 4 column tiles), it splits K instead (``gate_up_splits``) and writes float32
+partial sums of gate and up, which XLA sums before ``silu(g) * u``. Why stacked word
 tiles and 64-byte swizzles: docs/mosaic_gpu.md.
 
 Two tilings, chosen by the routing block ``bm`` (``Tiles.block_m``; by default the next power of two of the
@@ -47,6 +49,7 @@ mean rows per touched expert, in [8, 64]):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +63,8 @@ from kimi_jax.ops.numerics import F32
 
 WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
+TARGET_CTAS = 132        # H200's SMs: gate/up splits K until its grid has at least this many CTAs
+MIN_CHUNKS_PER_SPLIT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,8 @@ class Tiles:
     stages: int = 2
     # Rows per routing block: 64, or 8, 16, 32 (swapped kernels); None: int4_moe_mosaic picks
     block_m: int | None = None
+    # K splits of the gate/up kernel (a divisor of D / 256); None: gate_up_splits picks
+    splits_gate_up: int | None = None
 
 
 def _interpret_params(interpret):
@@ -105,42 +112,50 @@ def _unpack(words, i, dtype):
 
 
 def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages: int, out_dtype, epilogue,
-                    interpret):
+                    interpret, splits: int = 1):
     """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
 
     ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
-    tile ``m`` = matrix ``m``, columns ``n*bn``; ``epilogue(acc_0, acc_1)`` -> one output tile (``[bm, bn]``,
-    swapped ``[bn, bm]``).
-    ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns ``(2n + m)*bn`` of the one matrix; each
-    accumulator is written as it is. Stacking two 32-row word tiles makes the register tile 64 rows, which
-    Mosaic GPU's layout inference can store into a swizzled shared-memory tile (a 32-row int32 tile cannot:
-    "Failed to infer a possible set of layouts", docs/mosaic_gpu.md)."""
+    tile ``m`` = matrix ``m``, columns ``n*bn``. ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns
+    ``(2n + m)*bn`` of the one matrix. ``epilogue(acc_0, acc_1)`` makes one output tile at the CTA's columns;
+    with ``epilogue=None`` each accumulator is written at its own tile's place in the ``[M * N]`` columns.
+    ``splits`` > 1 splits K (grid axis "k", ``K/256 / splits`` chunks each; for ``epilogue=None``): the output
+    is ``[splits, rows, M * N]`` partial sums (swapped: ``[splits, M * N, rows]``); the leading axis is there
+    (of size 1) without splits too.
+
+    Stacking two 32-row word tiles makes the register tile 64 rows, which Mosaic GPU's layout inference can store
+    into a swizzled shared-memory tile (a 32-row int32 tile cannot: "Failed to infer a possible set of layouts",
+    docs/mosaic_gpu.md)."""
     nb = block_expert.shape[0]
     bm = xs.shape[0] // nb
     k_rows, n = w.shape[-2:]
-    n_chunks = k_rows // WORD_ROWS
+    n_mats = w.shape[1]
+    n_chunks = k_rows // WORD_ROWS // splits     # per split
     cta_n = 2 * bn if pair_cols else bn
     swap = bm < WGMMA_M      # the tokens as wgmma's N, the weight columns as its M (module doc)
     if (bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M:
         raise ValueError(f"the Mosaic GPU kernel takes row blocks of {WGMMA_M} rows and {GROUP_SIZE}-column "
                          f"weight tiles, or fewer rows (a multiple of 8) and {WGMMA_M}-column tiles; got {bm}, {bn}")
-    if n % cta_n or xs.shape[1] != n_chunks * CHUNK:
-        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}")
+    if n % cta_n or xs.shape[1] != splits * n_chunks * CHUNK or (splits > 1 and epilogue is not None):
+        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}, splits {splits} (partial sums only)")
     x_dtype = xs.dtype
-    n_out = 2 if pair_cols else 1
+    n_out = 2 if epilogue is None else 1
+    width = n_mats * n if epilogue is None else n
     acc_shape = (bn, bm) if swap else (bm, bn)
 
     def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
         b = lax.axis_index("b")
         j = lax.axis_index("n")
+        c0 = lax.axis_index("k") * n_chunks     # this split's first chunk
         e = be_gmem[b]
 
         def src(m):      # (matrix, first column) of weight tile m
             return (0, (2 * j + m) * bn) if pair_cols else (m, j * bn)
 
-        def fetch(c):    # chunk c's activations, words and scales into ring slot c % stages, on that slot's barrier
+        def fetch(c):    # the split's chunk c (activations, words, scales) into ring slot c % stages, on its barrier
             slot = lax.rem(c, stages)
             bar = bars.at[slot]
+            c = c0 + c
             for i in range(GROUPS):
                 plgpu.copy_gmem_to_smem(
                     x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
@@ -190,21 +205,24 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
 
             zeros = tuple(jnp.zeros(acc_shape, F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
-            outs = accs if pair_cols else (epilogue(*accs),)
+            outs = accs if epilogue is None else (epilogue(*accs),)
             for m, out in enumerate(outs):
                 o_smem[m] = out.astype(out_dtype)
             plgpu.commit_smem()
             for m in range(n_out):
-                rows, cols = pl.ds(b * bm, bm), pl.ds(j * cta_n + m * bn, bn)
-                plgpu.copy_smem_to_gmem(o_smem.at[m], o_gmem.at[(cols, rows) if swap else (rows, cols)])
+                mat, col = src(m)
+                rows, cols = pl.ds(b * bm, bm), pl.ds(mat * n + col if epilogue is None else col, bn)
+                dst = o_gmem.at[lax.axis_index("k")]
+                plgpu.copy_smem_to_gmem(o_smem.at[m], dst.at[(cols, rows) if swap else (rows, cols)])
             plgpu.wait_smem_to_gmem(0)
 
     n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((n, xs.shape[0]) if swap else (xs.shape[0], n), out_dtype),
-        grid=(nb, n // cta_n),
-        grid_names=("b", "n"),
+        out_type=jax.ShapeDtypeStruct((splits, width, xs.shape[0]) if swap else (splits, xs.shape[0], width),
+                                      out_dtype),
+        grid=(nb, n // cta_n, splits),
+        grid_names=("b", "n", "k"),
         scratch_types=[
             plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
             plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
@@ -224,6 +242,14 @@ def _swiglu(g, u):
     return g * jax.nn.sigmoid(g) * u
 
 
+def gate_up_splits(ctas: int, n_chunks: int) -> int:
+    """K splits for gate/up: the fewest that give ``TARGET_CTAS`` CTAs (at one token K2.6's gate/up has 8 blocks x
+    4 column tiles = 32 CTAs, a quarter of the SMs, each unpacking a 7168 x 128 slice), keeping at least
+    ``MIN_CHUNKS_PER_SPLIT`` chunks a split for the copy ring."""
+    fits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and n_chunks // s >= MIN_CHUNKS_PER_SPLIT] or [1]
+    return next((s for s in fits if ctas * s >= TARGET_CTAS), fits[-1])
+
+
 def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret=False,
                    tiles: Tiles | None = None) -> jax.Array:
     """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks (64 rows, or fewer: swapped); ``interpret``:
@@ -233,17 +259,25 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     f = ex.w13.shape[-1]
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
-    swap = xs.shape[0] // block_expert.shape[0] < WGMMA_M
+    nb = block_expert.shape[0]
+    swap = xs.shape[0] // nb < WGMMA_M
     # swapped, the kernels write [N, rows]; h and the output are transposed here (decode sizes: h is
     # rows x F / 8 bf16 at TP-8, and the transpose of the output fuses into combine's gather)
     transposed = (lambda a: a.T) if swap else (lambda a: a)
-    h = transposed(_grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False,
-                                   bn=WGMMA_M if swap else tiles.block_n_gate_up, stages=tiles.stages,
-                                   out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret))
+    bn = WGMMA_M if swap else tiles.block_n_gate_up
+    n_chunks = ex.w13.shape[-2] // WORD_ROWS
+    splits = tiles.splits_gate_up or gate_up_splits(nb * (f // bn), n_chunks)
+    gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn,
+                                stages=tiles.stages, interpret=interpret)
+    if splits == 1:
+        h = transposed(gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0])
+    else:       # float32 partial sums of gate and up, then silu(g) * u here (rows x 2F x splits floats)
+        g, u = jnp.split(transposed(gate_up(out_dtype=F32, epilogue=None, splits=splits).sum(0)), 2, axis=1)
+        h = _swiglu(g, u).astype(xs.dtype)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
     return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
                                       bn=WGMMA_M if swap else tiles.block_n_down, stages=tiles.stages,
-                                      out_dtype=F32, epilogue=lambda a: a, interpret=interpret))
+                                      out_dtype=F32, epilogue=None, interpret=interpret)[0])
 
 
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
