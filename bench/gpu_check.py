@@ -16,8 +16,9 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
    group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel
-   beside them: time per call and effective bytes/s =
-   INT4 words + bf16 scales of the experts the call touches / time, and that as a fraction of the copy bandwidth.
+   beside them ("mosaic": its default blocks, swapped at these widths; "mosaic_bm64": 64-row blocks): time per
+   call and effective bytes/s = INT4 words + bf16 scales of the experts the call touches / time, and that as a
+   fraction of the copy bandwidth.
    tokamax's ``ragged_dot`` over bf16 copies of the same experts runs as a peer if ``import tokamax`` works.
 4. ``attention``: tree-verify attention time vs tree width (1, 5, 17, 33, 65) at K2.6 MLA per-device dims (16
    heads, kv_lora 512, rope 64, bf16) and cache lengths 4096 and 32768, both impls and the Mosaic GPU kernel
@@ -404,7 +405,7 @@ def _tokamax_peer():
 
 def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.int4_moe.api import int4_moe
-    from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
+    from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
     from kimi_jax.ops.int4_moe.routing import combine, sort_by_expert
 
     e, d, f, k = plan.moe_shape
@@ -440,6 +441,8 @@ def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
                for impl in ("pallas", "xla")}
         if ctx["on_gpu"]:             # interpret mode times nothing useful; on a GPU it is the decision's number
             ops["mosaic"] = functools.partial(int4_moe_mosaic, interpret=False)
+            # the default is the swapped tiling below 64 rows a touched expert; 64-row blocks for comparison
+            ops["mosaic_bm64"] = functools.partial(int4_moe_mosaic, interpret=False, tiles=Tiles(block_m=64))
         for impl, op in ops.items():
             try:
                 r = timed_cycling(chain(lambda ex, x, i, wt, op=op: op(x, i, wt, ex), n),
@@ -812,7 +815,7 @@ def summary_lines(result: dict) -> list[str]:
                        f"{s['dtype']}): per call us / GB/s (% of copy)")
             for r in s["rows"]:
                 cells = []
-                for impl in ("pallas", "xla", "mosaic", "tokamax_bf16"):
+                for impl in ("pallas", "xla", "mosaic", "mosaic_bm64", "tokamax_bf16"):
                     v = r.get(impl)
                     if v is None:
                         continue

@@ -1,6 +1,7 @@
 """int4_moe's Mosaic GPU kernels (kimi_jax.ops.int4_moe.mosaic_gpu): GPU interpret mode on the CPU against the
 dense reference and the Triton kernel, and a deviceless compile for H200 at K2.6 TP-8 slice shapes."""
 
+import functools
 import re
 
 import jax
@@ -13,32 +14,87 @@ from jax.sharding import PartitionSpec as P
 from kimi_jax.analysis import targets
 from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.api import int4_moe
-from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
+from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, gate_up_splits, int4_moe_mosaic
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
 from test_int4_moe import check_close, random_experts, routing
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 E, D, F = 4, 256, 128
 
-mosaic = jax.jit(lambda x, i, w, ex: int4_moe_mosaic(x, i, w, ex, interpret=True))
+mosaic = jax.jit(lambda x, i, w, ex, tiles: int4_moe_mosaic(x, i, w, ex, interpret=True, tiles=tiles),
+                 static_argnums=4)
 triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interpret=True))
 
 
+# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70
+@pytest.mark.parametrize("block_m", [None, 64])
+@pytest.mark.parametrize("stages", [1, Tiles().stages])
 @pytest.mark.parametrize("t,k,kind", [
     (13, 2, "random"),       # ragged groups
     (1, 4, "random"),        # decode: one token, one real row per block
-    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: still one 64-row block each
+    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: two 32-row blocks, or one 64-row block
     pytest.param(70, 2, "one_expert", marks=pytest.mark.slow),   # 70 rows on expert 3: two blocks of one expert
 ])
-def test_mosaic_interpret_matches_reference(t, k, kind):
+def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(t + k, t, k, e=E, kind=kind)
     x = jnp.asarray(np.random.default_rng(t).normal(size=(t, D)), jnp.bfloat16)
-    y = mosaic(x, idx, w, ex)
+    y = mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m))
     # bf16 activations and h, exact int4 weights, float32 accumulation: the Triton kernel's bf16 tolerance
     check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
     # the same numerics as the Triton kernel (scale applied to each group's float32 partial sum)
     check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stages,block_m", [(2, None), (4, None), (2, 64)] + [
+    pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(1, None), (3, None), (4, 64), (3, 8)]])
+def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
+    """D = 1024 and F = 512: 4 chunks in gate/up and 2 in down, so the copy ring wraps (2, 3 stages), fills
+    exactly (down at 2) or holds more slots than chunks (4 stages); all must give the Triton kernel's numbers.
+    The default block here is 16 rows (swapped)."""
+    d, f, e = 1024, 512, 2      # two experts: the least interpret-mode work
+    ex = random_experts(1, e=e, d=d, f=f)
+    idx, w = routing(5, 9, 2, e=e)
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(9, d)), jnp.bfloat16)
+    check_close(mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m)), triton(x, idx, w, ex), rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_m,splits", [(None, 2), (64, 4)])
+def test_mosaic_gate_up_split_k(block_m, splits):
+    """gate/up over K splits (float32 partial sums, silu outside): D = 1024 is 4 chunks, 2 or 1 per split."""
+    d, f, e = 1024, 256, 2
+    ex = random_experts(2, e=e, d=d, f=f)
+    idx, w = routing(6, 5, 2, e=e)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(5, d)), jnp.bfloat16)
+    y = mosaic(x, idx, w, ex, Tiles(block_m=block_m, splits_gate_up=splits))
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_gate_up_splits_fill_h200_at_decode():
+    # K2.6 TP-8 (D = 7168: 28 chunks, F = 256): 8 blocks x 4 column tiles at one token, 64 x 4 at eight
+    assert gate_up_splits(8 * 4, 28) == 7 and gate_up_splits(64 * 4, 28) == 1
+    assert gate_up_splits(8 * 4, 1) == 1      # too few chunks to split
+
+
+def test_mosaic_float16_activations():
+    """f16 takes the unpack's other base (1024 instead of bf16's 128)."""
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(15, 13, 2, e=E)
+    x = jnp.asarray(np.random.default_rng(13).normal(size=(13, D)), jnp.float16)
+    y = mosaic(x, idx, w, ex, Tiles())
+    check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_mosaic_block_sizes():
+    """Swapped (tokens as wgmma's N) below 64 rows a block, a multiple of 8; 64 rows unswapped."""
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(0, 3, 2, e=E)
+    x = jnp.zeros((3, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="row blocks of 64 rows"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(block_m=4))
+    with pytest.raises(ValueError, match="row blocks of 64 rows"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(block_m=128))
 
 
 def test_mosaic_rejects_f32_activations():
@@ -49,28 +105,53 @@ def test_mosaic_rejects_f32_activations():
 
 
 GPU_MISSING = targets.compiler_missing("h200")
+K26_TP8 = dict(e=384, d=7168, f=256, k=8)     # K2.6 under TP-8: expert width 2048 / 8
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("tokens", [8])
-def test_mosaic_compiles_for_h200_k26_slice(tokens, monkeypatch, capfd):
-    """K2.6 under TP-8: 384 experts, hidden 7168, expert width 2048 / 8 = 256, top-8. XLA's spill option does
-    not reach Mosaic GPU kernels (they compile their own PTX), so the spill check reads ptxas' report."""
+def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd):
+    """Lower and compile ``int4_moe_mosaic`` for a compile-only ``target`` at the K2.6 TP-8 slice; returns the HLO,
+    ptxas' report (MOSAIC_GPU_DUMP_PTXAS: XLA's spill option does not reach Mosaic GPU kernels, which compile
+    their own PTX) and the shared memory Mosaic GPU allocates for each kernel."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    smem = []
+    size = mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: smem.append(size(tree)) or smem[-1])
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    e, d, f, k = 384, 7168, 256, 8
-    mesh = targets.compile_mesh("h200", 1)
+    e, d, f, k = K26_TP8.values()
+    mesh = targets.compile_mesh(target, 1)
     rep = NamedSharding(mesh, P())
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     ex = Int4Experts(w13=s((e, 2, d // 8, f), jnp.int32), s13=s((e, 2, d // 32, f), jnp.bfloat16),
                      w2=s((e, f // 8, d), jnp.int32), s2=s((e, f // 32, d), jnp.bfloat16))
+    capfd.readouterr()
     with targets.lowering_for(mesh):
-        lowered = jax.jit(int4_moe_mosaic).lower(s((tokens, d), jnp.bfloat16), s((tokens, k), jnp.int32),
-                                                 s((tokens, k), jnp.float32), ex)
-    hlo = lowered.compile(targets.compiler_options("h200")).as_text()
-    assert len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)) == 2
+        lowered = jax.jit(functools.partial(int4_moe_mosaic, tiles=tiles)).lower(
+            s((tokens, d), jnp.bfloat16), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32), ex)
+    hlo = lowered.compile(targets.compiler_options(target)).as_text()
     report = capfd.readouterr()
-    ptxas = report.out + report.err
+    return hlo, report.out + report.err, smem
+
+
+# Shared memory per CTA (KiB), gate/up and down, as Mosaic GPU counts it (scratch and barriers), per stage count:
+# 64-row blocks (41 KiB a stage) and 8-row swapped blocks (22 KiB a stage). At one token gate/up splits K
+# (gate_up_splits: 7 splits swapped, 4 at 64 rows) and writes two float32 tiles, as down does: down's smem.
+SMEM_KIB = {64: {1: (49, 61), 2: (90, 102), 3: (131, 143), 4: (172, 184)},
+            8: {1: (31, 34), 2: (53, 56), 3: (75, 78), 4: (97, 100)}}
+
+
+# block_m None: the default, which is 8 rows (swapped) at 1, 8 and 64 tokens of K2.6 (<= 2 rows a touched expert)
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("tokens,stages,block_m", [(1, Tiles().stages, None), (64, Tiles().stages, 64)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (8, Tiles().stages, None), (64, Tiles().stages, None), (1, Tiles().stages, 64), (8, 1, None),
+        (8, 3, None), (8, 4, None), (8, 1, 64), (8, 3, 64), (8, 4, 64)]])
+def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch, capfd):
+    hlo, ptxas, smem = compile_k26_slice("h200", tokens, Tiles(stages=stages, block_m=block_m), monkeypatch, capfd)
+    assert len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)) == 2
+    gate_up, down = SMEM_KIB[block_m or 8][stages]
+    assert [round(b / 1024) for b in smem] == [down if tokens == 1 else gate_up, down], smem
+    assert max(smem) <= 227 * 1024     # Mosaic GPU refuses more at lowering too
     used = re.findall(r"Used (\d+) registers", ptxas)
     if not used:
         pytest.skip("ptxas printed no report (MOSAIC_GPU_DUMP_PTXAS read before this test?); spills unchecked")

@@ -9,28 +9,51 @@ Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgr
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
 loops over ``K`` in chunks of 256 inputs. Per chunk it
 
-1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, the wgmma LHS layout),
+1. TMA-copies the chunk's activations as 8 ``[bm, 32]`` group tiles (64-byte swizzle, a wgmma operand),
    two ``[32, bn]`` int32 word tiles stacked into one ``[64, bn]`` tile (no swizzle: only read into registers)
-   and their ``[8, bn]`` bf16 scale rows, all on one mbarrier;
+   and their ``[8, bn]`` bf16 scale rows, all on one mbarrier, into one slot of a ``stages``-deep ring;
 2. for each nibble plane ``i`` (= scale group ``8c + i``, a ``fori_loop``): loads the words into registers,
-   unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8), stores it to a 64-byte-swizzled ``[64, bn]``
-   smem tile (the wgmma RHS layout), and issues one ``wgmma([bm, 32] x [32, bn])`` per stacked tile into a
-   fresh float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
+   unpacks ``q = ((w >> 4i) & 15) - 8`` to bf16 (exact: |q| <= 8) without an int->float conversion
+   (``_unpack``), stores it to a 64-byte-swizzled ``[64, bn]``
+   smem tile (a wgmma operand), and issues one wgmma per stacked tile (the two tilings below) into a fresh
+   float32 accumulator; each partial sum is scaled by its group's scale row in float32 and added to the
    running accumulator (the Triton kernel's numerics: exact int4 weights, scale applied to the partial sum).
 
-gate/up stacks the gate and up tiles of the same ``bn = 32`` columns and writes ``h = silu(g) * u`` in the
-activation dtype; down stacks two adjacent 32-column tiles of ``w2`` and writes float32. ``bm`` must be 64
-(wgmma's M per warpgroup); at decode most of a block's rows are padding, which costs tensor-core work and
-activation/output bytes but no weight bytes. Depth-1 pipeline: the copies of chunk ``c + 1`` are issued only
-after chunk ``c``'s wgmmas have completed. Why 32-column tiles and stacked word tiles: docs/mosaic_gpu.md.
+Pipeline: the ring has ``stages`` slots, one mbarrier each (a slot is 41 KiB at 64-row blocks: x 32, words 8,
+scales 1; 22 KiB at 8-row swapped blocks: x 4, words 16, scales 2). Before the loop the copies of chunks
+``0 .. stages-2`` are issued; chunk ``c`` first refills the slot chunk ``c - 1`` used with chunk
+``c + stages - 1``, then waits for its own slot, so ``stages - 1`` chunks are in flight while chunk ``c``
+unpacks and multiplies. ``stages = 1`` is the unpipelined kernel (copy, wait,
+compute). One warpgroup both copies and computes, so no consumer barriers: a slot is refilled only after the
+warpgroup finished with it (wgmmas waited for, ordinary loads fenced by ``commit_smem``).
+
+gate/up stacks the gate and up tiles of the same ``bn`` columns and writes ``h = silu(g) * u`` in the
+activation dtype; down stacks two adjacent ``bn``-column tiles of ``w2`` and writes float32. Where gate/up's grid
+is small (one token: 8 blocks x 4 column tiles), it splits K instead (``gate_up_splits``) and writes float32
+partial sums of gate and up, which XLA sums before ``silu(g) * u``. Why stacked word
+tiles and 64-byte swizzles: docs/mosaic_gpu.md.
+
+Two tilings, chosen by the routing block ``bm`` (``Tiles.block_m``; by default the next power of two of the
+mean rows per touched expert, in [8, 64]):
+
+- ``bm = 64`` rows (wgmma's M per warpgroup), ``bn = 32`` weight columns a tile: ``acc [64, 32] += x [64, 32]
+  q [32, 32]``. At decode most rows are padding: tensor-core work, and activation/output bytes (64 gathered rows
+  of ``D`` bf16 and 64 float32 output rows a block).
+- ``bm`` = 8, 16 or 32 rows, **swapped**: the weight columns fill wgmma's M (``bn = 64``) and the block's rows are
+  its N (a multiple of 8): ``acc [64, bm] += q^T [64, 32] x^T [32, bm]``, both operands transposed views of the
+  same smem tiles (16-bit wgmma reads either major order). The kernels write ``[N, rows]``; ``experts_mosaic``
+  transposes ``h`` (rows x F bf16) and the output (fused into ``combine``'s gather). At K2.6 decode this cuts
+  the gathered and written rows 8-fold (bm 8 instead of 64) and the x tiles in smem from 32 to 4 KiB a stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -38,14 +61,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
 
-MOSAIC_BLOCK_M = 64      # rows per routing block: one wgmma M tile of one warpgroup
+WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
+TARGET_CTAS = 132        # H200's SMs: gate/up splits K until its grid has at least this many CTAs
+MIN_CHUNKS_PER_SPLIT = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_n_gate_up: int = 32
     block_n_down: int = 32     # x2: a CTA writes two adjacent 32-column tiles
+    # Chunks in the copy ring (1 = no TMA/compute overlap). 2: a CTA needs at most 90 KiB (gate/up) and 102 KiB
+    # (down) of smem at 64-row blocks, 53 and 56 KiB at 8-row ones, so two or more CTAs share an SM's 228 KiB and
+    # overlap each other's serial unpack-and-wgmma work; 3-4 (up to 184 KiB) keep more copies in flight per
+    # CTA. Not measured on a GPU yet.
+    stages: int = 2
+    # Rows per routing block: 64, or 8, 16, 32 (swapped kernels); None: int4_moe_mosaic picks
+    block_m: int | None = None
+    # K splits of the gate/up kernel (a divisor of D / 256); None: gate_up_splits picks
+    splits_gate_up: int | None = None
 
 
 def _interpret_params(interpret):
@@ -60,93 +94,143 @@ def _interpret_params(interpret):
 def _swizzled(minor_elems: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor_elems * bits)
+    if swizzle < 32:    # rows of 16 bytes (a swapped [64, 8] bf16 output tile): no swizzle exists, plain rows
+        return ()
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, out_dtype, epilogue, interpret):
+def _unpack(words, i, dtype):
+    """Nibble plane ``i`` of ``words`` as ``q = u - 8`` in ``dtype`` without an int->float conversion: ``u``
+    becomes the low mantissa bits of the float ``2^m`` whose unit in the last place is 1 (bf16 128, f16 1024),
+    read as ``2^m + u`` and shifted by ``2^m + 8`` (both exact). The PTX then has a shift, an and/or, half a
+    ``prmt`` and half an ``add.bf16x2`` per weight instead of a ``cvt.rn.bf16.s32``, a conversion the SM runs at a
+    fraction of its integer rate (docs/mosaic_gpu.md)."""
+    base = {jnp.dtype(jnp.bfloat16): 128.0, jnp.dtype(jnp.float16): 1024.0}[jnp.dtype(dtype)]
+    bits = int(np.asarray(base, dtype).view(np.uint16))
+    u = ((words >> (4 * i)) & 0xF) | bits
+    return lax.bitcast_convert_type(u.astype(jnp.int16), dtype) - jnp.asarray(base + 8, dtype)
+
+
+def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages: int, out_dtype, epilogue,
+                    interpret, splits: int = 1):
     """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
 
     ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
-    tile ``m`` = matrix ``m``, columns ``n*bn``; ``epilogue(acc_0, acc_1)`` -> one ``[bm, bn]`` output tile.
-    ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns ``(2n + m)*bn`` of the one matrix; each
-    accumulator is written as it is. Stacking two 32-row word tiles makes the register tile 64 rows, which
-    Mosaic GPU's layout inference can store into a swizzled shared-memory tile (a 32-row int32 tile cannot:
-    "Failed to infer a possible set of layouts", docs/mosaic_gpu.md)."""
+    tile ``m`` = matrix ``m``, columns ``n*bn``. ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns
+    ``(2n + m)*bn`` of the one matrix. ``epilogue(acc_0, acc_1)`` makes one output tile at the CTA's columns;
+    with ``epilogue=None`` each accumulator is written at its own tile's place in the ``[M * N]`` columns.
+    ``splits`` > 1 splits K (grid axis "k", ``K/256 / splits`` chunks each; for ``epilogue=None``): the output
+    is ``[splits, rows, M * N]`` partial sums (swapped: ``[splits, M * N, rows]``); the leading axis is there
+    (of size 1) without splits too.
+
+    Stacking two 32-row word tiles makes the register tile 64 rows, which Mosaic GPU's layout inference can store
+    into a swizzled shared-memory tile (a 32-row int32 tile cannot: "Failed to infer a possible set of layouts",
+    docs/mosaic_gpu.md)."""
     nb = block_expert.shape[0]
     bm = xs.shape[0] // nb
     k_rows, n = w.shape[-2:]
-    n_chunks = k_rows // WORD_ROWS
+    n_mats = w.shape[1]
+    n_chunks = k_rows // WORD_ROWS // splits     # per split
     cta_n = 2 * bn if pair_cols else bn
-    if bm != MOSAIC_BLOCK_M:
-        raise ValueError(f"the Mosaic GPU kernel needs row blocks of {MOSAIC_BLOCK_M}, got {bm}")
-    if n % cta_n or xs.shape[1] != n_chunks * CHUNK:
-        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}")
+    swap = bm < WGMMA_M      # the tokens as wgmma's N, the weight columns as its M (module doc)
+    if (bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M:
+        raise ValueError(f"the Mosaic GPU kernel takes row blocks of {WGMMA_M} rows and {GROUP_SIZE}-column "
+                         f"weight tiles, or fewer rows (a multiple of 8) and {WGMMA_M}-column tiles; got {bm}, {bn}")
+    if n % cta_n or xs.shape[1] != splits * n_chunks * CHUNK or (splits > 1 and epilogue is not None):
+        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}, splits {splits} (partial sums only)")
     x_dtype = xs.dtype
-    n_out = 2 if pair_cols else 1
+    n_out = 2 if epilogue is None else 1
+    width = n_mats * n if epilogue is None else n
+    acc_shape = (bn, bm) if swap else (bm, bn)
 
-    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bar):
+    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
         b = lax.axis_index("b")
         j = lax.axis_index("n")
+        c0 = lax.axis_index("k") * n_chunks     # this split's first chunk
         e = be_gmem[b]
 
         def src(m):      # (matrix, first column) of weight tile m
             return (0, (2 * j + m) * bn) if pair_cols else (m, j * bn)
 
+        def fetch(c):    # the split's chunk c (activations, words, scales) into ring slot c % stages, on its barrier
+            slot = lax.rem(c, stages)
+            bar = bars.at[slot]
+            c = c0 + c
+            for i in range(GROUPS):
+                plgpu.copy_gmem_to_smem(
+                    x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
+                    x_smem.at[slot, i], bar)
+            for m in range(2):
+                mat, col = src(m)
+                plgpu.copy_gmem_to_smem(w_gmem.at[e, mat, pl.ds(c * WORD_ROWS, WORD_ROWS), pl.ds(col, bn)],
+                                        w_smem.at[slot, pl.ds(m * WORD_ROWS, WORD_ROWS)], bar)
+                plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
+                                        s_smem.at[slot, m], bar)
+
         @pl.when(e >= 0)
         def _():
+            for c in range(min(stages - 1, n_chunks)):    # the ring's first stages - 1 chunks
+                fetch(c)
+
             def chunk(c, accs):
-                for i in range(GROUPS):
-                    plgpu.copy_gmem_to_smem(
-                        x_gmem.at[pl.ds(b * bm, bm), pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)],
-                        x_smem.at[i], bar)
-                for m in range(2):
-                    mat, col = src(m)
-                    plgpu.copy_gmem_to_smem(w_gmem.at[e, mat, pl.ds(c * WORD_ROWS, WORD_ROWS), pl.ds(col, bn)],
-                                            w_smem.at[pl.ds(m * WORD_ROWS, WORD_ROWS)], bar)
-                    plgpu.copy_gmem_to_smem(s_gmem.at[e, mat, pl.ds(c * GROUPS, GROUPS), pl.ds(col, bn)],
-                                            s_smem.at[m], bar)
-                plgpu.barrier_wait(bar)
+                slot = lax.rem(c, stages)
+                # Refill the slot chunk c - 1 used with chunk c + stages - 1. Chunk c - 1's wgmmas have completed
+                # (waited below), but its words and scales were read by every thread with ordinary loads: the
+                # warpgroup barrier and async-proxy fence of commit_smem keep the TMA from overwriting them early.
+                plgpu.commit_smem()
+                pl.when(c + stages - 1 < n_chunks)(lambda: fetch(c + stages - 1))
+                plgpu.barrier_wait(bars.at[slot])
+
                 def group(i, accs):
-                    words = w_smem[...]                    # [64, bn] int32: both tiles' word rows
-                    q_smem[...] = (((words >> (4 * i)) & 0xF) - 8).astype(x_dtype)
+                    words = w_smem[slot]                   # [64, bn] int32: both tiles' word rows
+                    q_smem[...] = _unpack(words, i, x_dtype)
                     plgpu.commit_smem()
                     accs = list(accs)
                     for m in range(2):
                         def mma(acc_ref, m=m):
-                            plgpu.wgmma(acc_ref, x_smem.at[i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)])
+                            x, q = x_smem.at[slot, i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)]
+                            if swap:    # [bn, bm] += q^T [bn, 32] x^T [32, bm]
+                                plgpu.wgmma(acc_ref, q.transpose((1, 0)), x.transpose((1, 0)))
+                            else:       # [bm, bn] += x [bm, 32] q [32, bn]
+                                plgpu.wgmma(acc_ref, x, q)
                             plgpu.wgmma_wait(0)
                             return acc_ref[...]
 
-                        part = pl.run_scoped(mma, plgpu.ACC((bm, bn), F32))
-                        accs[m] = accs[m] + part * s_smem[m, i].astype(F32)[None, :]
+                        part = pl.run_scoped(mma, plgpu.ACC(acc_shape, F32))
+                        scale = s_smem[slot, m, i].astype(F32)          # [bn]: one per weight column
+                        accs[m] = accs[m] + part * lax.broadcast_in_dim(scale, acc_shape, [0 if swap else 1])
                     return tuple(accs)
 
-                accs = lax.fori_loop(0, GROUPS, group, accs)
-                return tuple(accs)
+                return lax.fori_loop(0, GROUPS, group, accs)
 
-            zeros = tuple(jnp.zeros((bm, bn), F32) for _ in range(2))
+            zeros = tuple(jnp.zeros(acc_shape, F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
-            outs = accs if pair_cols else (epilogue(*accs),)
+            outs = accs if epilogue is None else (epilogue(*accs),)
             for m, out in enumerate(outs):
                 o_smem[m] = out.astype(out_dtype)
             plgpu.commit_smem()
             for m in range(n_out):
-                plgpu.copy_smem_to_gmem(o_smem.at[m], o_gmem.at[pl.ds(b * bm, bm), pl.ds(j * cta_n + m * bn, bn)])
+                mat, col = src(m)
+                rows, cols = pl.ds(b * bm, bm), pl.ds(mat * n + col if epilogue is None else col, bn)
+                dst = o_gmem.at[lax.axis_index("k")]
+                plgpu.copy_smem_to_gmem(o_smem.at[m], dst.at[(cols, rows) if swap else (rows, cols)])
             plgpu.wait_smem_to_gmem(0)
 
     n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((xs.shape[0], n), out_dtype),
-        grid=(nb, n // cta_n),
-        grid_names=("b", "n"),
+        out_type=jax.ShapeDtypeStruct((splits, width, xs.shape[0]) if swap else (splits, xs.shape[0], width),
+                                      out_dtype),
+        grid=(nb, n // cta_n, splits),
+        grid_names=("b", "n", "k"),
         scratch_types=[
-            plgpu.SMEM((GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
-            plgpu.SMEM((2 * WORD_ROWS, bn), jnp.int32),
-            plgpu.SMEM((2, GROUPS, bn), s.dtype),
-            plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(bn, x_dtype)),
-            plgpu.SMEM((n_out, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype)),
-            plgpu.Barrier(num_arrivals=n_copies),
+            plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
+            plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
+            plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype),
+            # 64-byte swizzle for both wgmma operands (their swizzles must agree; 32 K elements = 64 B)
+            plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
+            plgpu.SMEM((n_out, *acc_shape), out_dtype, transforms=_swizzled(acc_shape[1], out_dtype)),
+            plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
@@ -158,28 +242,55 @@ def _swiglu(g, u):
     return g * jax.nn.sigmoid(g) * u
 
 
+def gate_up_splits(ctas: int, n_chunks: int) -> int:
+    """K splits for gate/up: the fewest that give ``TARGET_CTAS`` CTAs (at one token K2.6's gate/up has 8 blocks x
+    4 column tiles = 32 CTAs, a quarter of the SMs, each unpacking a 7168 x 128 slice), keeping at least
+    ``MIN_CHUNKS_PER_SPLIT`` chunks a split for the copy ring."""
+    fits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and n_chunks // s >= MIN_CHUNKS_PER_SPLIT] or [1]
+    return next((s for s in fits if ctas * s >= TARGET_CTAS), fits[-1])
+
+
 def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret=False,
                    tiles: Tiles | None = None) -> jax.Array:
-    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks; ``interpret``: True (or an
-    ``InterpretGPUParams``) runs the kernels in Pallas' GPU interpret mode on the CPU."""
+    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks (64 rows, or fewer: swapped); ``interpret``:
+    True (or an ``InterpretGPUParams``) runs the kernels in Pallas' GPU interpret mode on the CPU."""
     tiles = tiles or Tiles()
     f_rows, d = ex.w2.shape[-2:]
     f = ex.w13.shape[-1]
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
-    h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=tiles.block_n_gate_up,
-                        out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret)
+    nb = block_expert.shape[0]
+    swap = xs.shape[0] // nb < WGMMA_M
+    # swapped, the kernels write [N, rows]; h and the output are transposed here (decode sizes: h is
+    # rows x F / 8 bf16 at TP-8, and the transpose of the output fuses into combine's gather)
+    transposed = (lambda a: a.T) if swap else (lambda a: a)
+    bn = WGMMA_M if swap else tiles.block_n_gate_up
+    n_chunks = ex.w13.shape[-2] // WORD_ROWS
+    splits = tiles.splits_gate_up or gate_up_splits(nb * (f // bn), n_chunks)
+    gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn,
+                                stages=tiles.stages, interpret=interpret)
+    if splits == 1:
+        h = transposed(gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0])
+    else:       # float32 partial sums of gate and up, then silu(g) * u here (rows x 2F x splits floats)
+        g, u = jnp.split(transposed(gate_up(out_dtype=F32, epilogue=None, splits=splits).sum(0)), 2, axis=1)
+        h = _swiglu(g, u).astype(xs.dtype)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
-    return _grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True, bn=tiles.block_n_down,
-                           out_dtype=F32, epilogue=lambda a: a, interpret=interpret)
+    return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
+                                      bn=WGMMA_M if swap else tiles.block_n_down, stages=tiles.stages,
+                                      out_dtype=F32, epilogue=None, interpret=interpret)[0])
 
 
-def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False) -> jax.Array:
-    """``api.int4_moe``'s computation through the Mosaic GPU kernels (routing with 64-row blocks)."""
-    from kimi_jax.ops.int4_moe.routing import combine, gather_rows, sort_by_expert
+def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
+                    tiles: Tiles | None = None) -> jax.Array:
+    """``api.int4_moe``'s computation through the Mosaic GPU kernels: routing blocks of ``tiles.block_m`` rows,
+    by default the next power of two of the mean rows per touched expert in [8, 64] (``routing.default_block_m``;
+    under 64 the kernels run swapped)."""
+    from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 
+    tiles = tiles or Tiles()
     t, k = topk_idx.shape
-    routing = sort_by_expert(topk_idx, experts.num_experts, MOSAIC_BLOCK_M)
+    bm = tiles.block_m or default_block_m(t * k, experts.num_experts, 8, WGMMA_M)
+    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
     xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
-    out = experts_mosaic(xs, routing.block_expert, experts, interpret)
+    out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
     return combine(out, routing, topk_weight).astype(jnp.float32)
