@@ -134,7 +134,8 @@ class Runtime:
     """How a model runs, as opposed to what it is (ModelConfig): kernel choices and the device mesh.
 
     moe_impl / attn_impl: "auto" (the Pallas kernel where a program is lowered for a GPU, XLA where it is
-    lowered for a CPU or TPU), "pallas" (interpret mode off the GPU) or "xla", for the INT4 expert matmul and the
+    lowered for a CPU or TPU), "pallas" (interpret mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels,
+    opt-in: programs lowered for a Hopper GPU with 16-bit weights and caches), for the INT4 expert matmul and the
     tree-verify attention (kimi_jax.ops.select decides, per lowering platform). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory

@@ -8,7 +8,7 @@ import pytest
 
 import kimi_jax
 from kimi_jax.analysis import targets
-from kimi_jax.analysis.targets import TRITON_CALL
+from kimi_jax.analysis.targets import MOSAIC_CALL, TRITON_CALL
 from kimi_jax.decoding import engine
 from kimi_jax.model.compute_layout import compute_params
 from kimi_jax.ops.int4_moe.api import int4_moe
@@ -96,3 +96,49 @@ def test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla():
            for impl in ("auto", "pallas", "xla")}
     np.testing.assert_allclose(att["pallas"], att["xla"], rtol=0, atol=1e-5 * np.abs(att["xla"]).max())
     np.testing.assert_array_equal(att["auto"], att["xla"])
+
+
+def _k26_round(impl: str, target: str = "h200"):
+    """The lowered DDTree round (budget 16, 4096 slots) of K2.6 cut to 3 layers (1 dense, 2 MoE; every width
+    K2.6's, bf16, INT4 experts) on 8 compile-only ``target`` GPUs at TP-8, both kernels' impl ``impl``."""
+    from bench.layer_ops import LAYERS, DENSE, small_k26
+    from kimi_jax.analysis import target_sweep
+    cfg, dcfg = small_k26()
+    mesh = targets.compile_mesh(target, 8, "tp=8")
+    with targets.lowering_for(mesh):
+        lowered, _ = target_sweep.compile_round(cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True, impl=impl,
+                                                compile=lambda lowered: (lowered, {}))
+    return lowered, LAYERS, LAYERS - DENSE
+
+
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_runtime_mosaic_puts_the_mosaic_kernels_in_a_k26_round_for_h200():
+    """Runtime(moe_impl="mosaic", attn_impl="mosaic"): every MoE layer's two expert kernels and every layer's
+    tree attention are Mosaic GPU calls, and no Triton call is left; "auto" (the default) is all Triton."""
+    lowered, layers, moe = _k26_round("mosaic")
+    text = lowered.as_text()
+    assert text.count(MOSAIC_CALL) == 2 * moe + layers and TRITON_CALL not in text
+    default = _k26_round("auto")[0].as_text()
+    assert default.count(TRITON_CALL) >= 2 * moe + layers and MOSAIC_CALL not in default
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_the_mosaic_k26_round_compiles_for_h200():
+    lowered, layers, moe = _k26_round("mosaic")
+    compiled = lowered.compile(targets.compiler_options("h200"))
+    assert compiled.as_text().count(MOSAIC_CALL) == 2 * moe + layers
+
+
+def test_mosaic_outside_a_gpu_lowering_is_refused_with_the_reason():
+    from kimi_jax.ops.int4_format import Int4Experts
+    rng = np.random.default_rng(0)
+    e, d, f = 4, 256, 256
+    experts = Int4Experts.quantize(*(rng.standard_normal(s, np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))))
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    with pytest.raises(ValueError, match="lowered for a GPU"):
+        int4_moe(x, np.zeros((3, 2), np.int32), np.ones((3, 2), np.float32), experts, impl="mosaic")
+    q = np.zeros((1, 2, 2, 32), np.float32)
+    with pytest.raises(ValueError, match="lowered for a GPU"):
+        latent_attention(q, q[..., :16], np.zeros((1, 64, 48), np.float32), np.asarray([4], np.int32),
+                         np.ones((1, 2, 2), bool), 0.1, impl="mosaic")

@@ -66,7 +66,8 @@ class Cell:
 
 
 def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree", batch: int = 1, budget: int = 16,
-                  context: int = 4096, options: dict | None = None, compile=None, split: bool | None = None):
+                  context: int = 4096, options: dict | None = None, compile=None, split: bool | None = None,
+                  impl: str = "auto"):
     """Lower one whole decoding round of target ``cfg`` on ``mesh`` from abstract sharded weights and an abstract
     state (nothing is allocated) and compile it: ``method="ddtree"`` is draft, build tree, verify, accept, commit
     with drafter ``dcfg`` (replicated, as its feature cache); ``"ar"`` is one plain decoding step. The state is
@@ -74,7 +75,7 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     compile-only mesh of a GPU/TPU target (``kimi_jax.analysis.targets.compile_mesh``); ``compile(lowered) ->
     (compiled, extra dict)`` replaces ``lowered.compile(options)`` (e.g. ``thunks.compile_dumped``). ``split``:
     per-layer weight buffers (True) or stacked layer scans (False); None: what kimi_jax runs on the mesh's
-    platform (``kimi_jax.model.compute_layout.own_buffers``).
+    platform (``kimi_jax.model.compute_layout.own_buffers``). ``impl``: both kernels' ``Runtime`` choice.
     Returns (compiled, sizes: per-device weight / drafter / feature-cache / latent-cache bytes, compile_s)."""
     from kimi_jax.config import Runtime
     from kimi_jax.decoding import drafter as dflash
@@ -82,7 +83,7 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     from kimi_jax.model.compute_layout import own_buffers, split_stacks
 
     jnp = jax.numpy
-    rt = Runtime(mesh=mesh, strategy=strategy)
+    rt = Runtime(moe_impl=impl, attn_impl=impl, mesh=mesh, strategy=strategy)
     if method == "ar":
         dcfg, spec = None, engine.Spec(cfg, "ar", 0, False, rt=rt)
     else:

@@ -37,6 +37,7 @@ from jax.sharding import AxisType, Mesh
 
 SPECS = pathlib.Path(__file__).with_name("target_specs")
 TRITON_CALL = "__gpu$xla.gpu.triton"      # custom call target of a Pallas (Triton) kernel in compiled GPU HLO
+MOSAIC_CALL = "mosaic_gpu_v2"              # and of a Mosaic GPU kernel
 GPUS_PER_HOST = 8
 
 

@@ -104,24 +104,27 @@ def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: Mod
     def dense(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer):
         return attend_absorbed(q_nope, q_pe, rows_view(one(kv, layer), page_table), visible, p, cfg)
 
-    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer, *, interpret):
+    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer, *, interpret, name="pallas"):
         if rt is not None and rt.mesh is not None:
-            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret, layer)
-        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, "pallas", interpret, layer)
+            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret, layer,
+                                        name)
+        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, name, interpret, layer)
 
-    return dispatch((q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer), impl=impl,
-                    interpret=False, pallas=kernel, xla=dense)
+    operands = (q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer)
+    if impl == "mosaic":                # opt-in, for a program lowered for a GPU (kimi_jax.ops.select)
+        return kernel(*operands, interpret=False, name="mosaic")
+    return dispatch(operands, impl=impl, interpret=False, pallas=kernel, xla=dense)
 
 
 def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret,
-                         layer=None):
+                         layer=None, impl: str = "pallas"):
     """attend_tree in ``jax.shard_map`` over ``rt.mesh``, each device on its own heads (and batch rows): a
     Pallas call is opaque to the SPMD partitioner, which otherwise gathers every head onto every device and runs
     the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
     A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
     softmaxes would need merging across devices."""
     def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer):
-        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, "pallas", interpret, layer)
+        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, interpret, layer)
 
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
     if st.mesh_axes("slots", rt.mesh):

@@ -7,8 +7,8 @@
 * ``"pallas"``: the Pallas kernel on a GPU; on other platforms the same kernel in Pallas interpret mode (its own
   code run as plain HLO, which is how the tests check it on a CPU);
 * ``"xla"``: the XLA path everywhere;
-* ``"mosaic"`` (tree attention only, its ``api.TREE_IMPLS``; not a ``Runtime`` choice yet): the Mosaic GPU kernel
-  in a program lowered for a GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere.
+* ``"mosaic"`` (both ops; opt-in, never chosen by ``"auto"``): the Mosaic GPU kernel in a program lowered for
+  a Hopper GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere (``mosaic_lowering``).
 
 ``interpret=True`` runs the Pallas kernel in interpret mode on every platform (a caller who asks for it).
 
@@ -25,11 +25,12 @@ target                 INT4 MoE             tree attention      why
 =====================  ===================  ==================  ================================================
 CPU, TPU               XLA                  XLA                 no Pallas GPU kernels there; TPU kernels not written
 H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       compiled and spill-free; the Mosaic GPU kernels
-                                                                (``int4_moe/mosaic_gpu.py``, depth 1, and
-                                                                ``tree_attention/mosaic_gpu.py``, impl="mosaic")
-                                                                compile spill-free too but are unmeasured:
-                                                                available, not selected
-B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       compiled; Mosaic GPU not yet compiled for sm_100a
+                                                                (``int4_moe/mosaic_gpu.py``,
+                                                                ``tree_attention/mosaic_gpu.py``) compile
+                                                                spill-free too, also inside a K2.6 round, but have
+                                                                never run on a GPU: opt-in (impl="mosaic")
+B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       compiled; the Mosaic kernels use wgmma, which
+                                                                sm_100a lacks (ptxas refuses; tcgen05 needed)
 RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       no wgmma, so Mosaic GPU's Hopper path cannot serve
                        (8 warps)            (16-query blocks)   it; own tiles (``TILES``) against spills and smem
 =====================  ===================  ==================  ================================================
@@ -45,7 +46,7 @@ from typing import Callable
 
 import jax
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "mosaic")
 
 
 def lowering_gpu() -> str | None:
@@ -69,10 +70,18 @@ def lowering_tiles(table: dict):
     return pick_tiles(table, lowering_gpu())
 
 
-def check_impl(impl: str, impls: tuple = IMPLS) -> None:
-    """``impls``: what the op offers (IMPLS, or more: tree attention adds "mosaic")."""
-    if impl not in impls:
-        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def mosaic_lowering(interpret: bool) -> None:
+    """impl="mosaic" is not chosen through ``dispatch``'s platform_dependent (the GPU interpreter's io_callbacks
+    are effects, which one branch of a cond cannot have alone): the program must be lowered for a GPU (the one
+    Pallas lowers for, ``lowering_gpu``) or run in GPU interpret mode."""
+    if not interpret and lowering_gpu() is None:
+        raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process with a GPU), '
+                         "or runs with interpret=True (GPU interpret mode)")
 
 
 def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable):

@@ -6,7 +6,8 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 ``256c + 32i + j``; bf16 scales ``[K/32, N]``).
 
 impl="xla" (``xla.py``) or impl="pallas" (``pallas_triton.py``), or impl="auto": the Pallas kernel where the
-program is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). Both group the pairs by expert the same
+program is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). impl="mosaic" (``mosaic_gpu.py``: TMA +
+wgmma for Hopper, 16-bit activations) is opt-in, for a program lowered for a GPU or in GPU interpret mode. Both group the pairs by expert the same
 way (``routing.py``); ``reference.py`` is the oracle they are tested against.
 """
 
@@ -21,7 +22,7 @@ from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas
 from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
-from kimi_jax.ops.select import check_impl, dispatch
+from kimi_jax.ops.select import check_impl, dispatch, mosaic_lowering
 
 
 def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
@@ -53,12 +54,17 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
     """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
 
-    ``impl``: "auto", "xla" or "pallas", resolved for the platform the program is lowered for
+    ``impl``: "auto", "xla", "pallas" or "mosaic", resolved for the platform the program is lowered for
     (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. ``block_m`` overrides the row
-    block (a power of two; >= 16 for pallas).
+    block (a power of two; >= 16 for pallas; 8, 16, 32 or 64 for mosaic).
     """
     _check(x, topk_idx, topk_weight, experts, impl)
     experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
+    if impl == "mosaic":
+        # imported here: Mosaic GPU's Python side loads only for programs that ask for it
+        from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
+        mosaic_lowering(interpret)
+        return int4_moe_mosaic(x, topk_idx, topk_weight, experts, interpret=interpret, tiles=Tiles(block_m=block_m))
     if block_m is not None:
         _check_block_m(block_m, "xla" if impl == "xla" else "pallas")
 

@@ -30,12 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
-from kimi_jax.ops.select import IMPLS, check_impl, dispatch, lowering_gpu
+from kimi_jax.ops.select import check_impl, dispatch, mosaic_lowering
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
 
-TREE_IMPLS = IMPLS + ("mosaic",)    # "mosaic": available, not selected by "auto" (kimi_jax.ops.select's table)
 
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
@@ -46,7 +45,7 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
     new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
     dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl``: "auto", "xla", "pallas" or "mosaic" (IMPLS below), resolved for the platform the program is
+    ``impl``: "auto", "xla", "pallas" or "mosaic" (``kimi_jax.ops.select.IMPLS``), resolved for the platform the program is
     lowered for (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling:
     block_q / block_k (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache); "mosaic" has
     block_q = block_k = 64 (None or 64) and needs a page size that is a multiple of 64.
@@ -54,7 +53,7 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     layer (int or int32 scalar): kv is the whole cache [layers, ...] and this is the layer attended over; the
     Pallas kernel reads it in place (no copy of one layer's rows out of the cache).
     """
-    check_impl(impl, TREE_IMPLS)
+    check_impl(impl)
     whole = kv
     if layer is not None:
         if kv.ndim != 4:
@@ -92,10 +91,6 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
 
     operands = (q_lat, q_pe, whole, lengths, new_mask, page_table, layer)
     if impl == "mosaic":
-        # Not through dispatch's platform_dependent: the GPU interpreter's io_callbacks are effects, which one
-        # branch of a cond cannot have alone. The GPU is the one Pallas lowers for (select.lowering_gpu).
-        if not interpret and lowering_gpu() is None:
-            raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process with a '
-                             "GPU), or runs with interpret=True (GPU interpret mode)")
+        mosaic_lowering(interpret)
         return mosaic(*operands, interpret=bool(interpret))
     return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla)
