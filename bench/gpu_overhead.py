@@ -13,7 +13,7 @@ host syncs, and the bytes of device-to-device copies, for
    the round loop's trip count is data-dependent, so without them its predicate is read by the host every round.
 
 These are counts of what the compiled programs launch, not timings. Writes bench/results/gpu_overhead_<target>.json.
-Takes ~15 min on a 2-core CPU (each per-layer K2.6 round compiles in ~3-5 min).
+Takes ~10-15 min on a 2-core CPU (each per-layer K2.6 round compiles in ~2-5 min; 2026-12-06: ~10 min).
 """
 
 from __future__ import annotations
