@@ -389,11 +389,15 @@ def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, length
         return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 
-def place(cache: FeatureCache, k, v, positions, valid, end) -> FeatureCache:
-    """Context rows k, v [layers, b, n, kv_heads, head_dim] of positions [b, n] (increasing per row) into their
-    slots, where ``valid``; a ring keeps only the newest ``slots`` positions before ``end`` [b]."""
+def newest(index, count, room):
+    """Which of ``count`` rows (``index`` < count) a ring with ``room`` slots left keeps: the newest ones."""
+    return (index < count) & (index >= count - room)
+
+
+def place(cache: FeatureCache, k, v, positions, keep) -> FeatureCache:
+    """Context rows k, v [layers, b, n, kv_heads, head_dim] of positions [b, n] into their slots, where ``keep``
+    (a ring keeps only the newest ``slots`` positions: ``newest``)."""
     slots = cache.k.shape[2]
-    keep = valid & (positions >= end[:, None] - slots)
     dst = jnp.where(keep, positions % slots, slots)
     batch = jnp.arange(positions.shape[0])[:, None]
     return FeatureCache(k=cache.k.at[:, batch, dst].set(k.astype(cache.k.dtype), mode="drop"),
@@ -412,7 +416,7 @@ def commit_features(p, c: DrafterConfig, target_params, cache: FeatureCache, tap
     positions = lengths[:, None] + j
     with jax.named_scope("drafter"):
         k, v = context_kv(p, c, context_features(p, c, rows), positions)
-    return place(cache, k, v, positions, j < path_len[:, None], lengths + path_len)
+    return place(cache, k, v, positions, newest(j, path_len[:, None], cache.k.shape[2]))
 
 
 def feature_slots(c: DrafterConfig, max_len: int) -> int:
@@ -434,12 +438,12 @@ def prefill_features(p, c: DrafterConfig, target_params, taps, prompt_lens, max_
     shape = (c.num_hidden_layers, b, feature_slots(c, max_len), c.num_key_value_heads, c.head_dim)
     dtype = p["fc"].dtype
     cache = FeatureCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    slots = cache.k.shape[2]
     start = jnp.zeros((b,), jnp.int32) if start is None else start
-    end = start + prompt_lens
-    if earlier is not None:
+    if earlier is not None:             # the ring's room left after the prompt's own rows
         positions = jnp.broadcast_to(jnp.arange(earlier[0].shape[2], dtype=jnp.int32), (b, earlier[0].shape[2]))
-        cache = place(cache, *earlier, positions, positions < start[:, None], end)
+        cache = place(cache, *earlier, positions, newest(positions, start[:, None], slots - prompt_lens[:, None]))
     j = jnp.arange(t, dtype=jnp.int32)[None, :]
     with jax.named_scope("drafter"):
         k, v = context_kv(p, c, context_features(p, c, taps), start[:, None] + j)
-    return place(cache, k, v, start[:, None] + j, j < prompt_lens[:, None], end), (k, v)
+    return place(cache, k, v, start[:, None] + j, newest(j, prompt_lens[:, None], slots)), (k, v)
