@@ -75,6 +75,17 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def mosaic_interpret_params(interpret):
+    """``plgpu.kernel``'s interpret argument: None (compile), GPU interpret mode's default parameters for True,
+    or the caller's own ``InterpretGPUParams``."""
+    if not interpret:
+        return None
+    if interpret is True:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        return InterpretGPUParams()
+    return interpret
+
+
 def mosaic_lowering(interpret: bool) -> None:
     """impl="mosaic" is not chosen through ``dispatch``'s platform_dependent (the GPU interpreter's io_callbacks
     are effects, which one branch of a cond cannot have alone): the program must be lowered for a GPU (the one

@@ -60,6 +60,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
+from kimi_jax.ops.select import mosaic_interpret_params
 
 WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
@@ -80,15 +81,6 @@ class Tiles:
     block_m: int | None = None
     # K splits of the gate/up kernel (a divisor of D / 256); None: gate_up_splits picks
     splits_gate_up: int | None = None
-
-
-def _interpret_params(interpret):
-    if not interpret:
-        return None
-    if interpret is True:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        return InterpretGPUParams()
-    return interpret
 
 
 def _swizzled(minor_elems: int, dtype) -> tuple:
@@ -233,7 +225,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
     )
     return kernel(block_expert, xs, w, s)
 

@@ -57,6 +57,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
+from kimi_jax.ops.select import mosaic_interpret_params
 
 BLOCK_Q = 64            # wgmma M of one warpgroup
 BLOCK_K = 64            # key rows per block: 128-byte rows in bf16, so every tile takes the 128-byte swizzle
@@ -72,15 +73,6 @@ class Tiles:
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-def _interpret_params(interpret):
-    if not interpret:
-        return None
-    if interpret is True:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        return InterpretGPUParams()
-    return interpret
 
 
 def _tile(dtype) -> tuple:
@@ -249,7 +241,7 @@ def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, sc
         grid=(nq * n_v, ns + 1, b),
         grid_names=("q", "split", "b"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
     )
     return kernel(lengths, layer, table, q, qpe, kv, tree_kv, tree_mask)
 
