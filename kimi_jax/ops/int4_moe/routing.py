@@ -4,7 +4,8 @@ Plain jnp, static shapes. The ``M = T*k`` (token, slot) pairs are
 sorted by expert; each expert's run is padded to a multiple of the row block ``bm``, so every row block belongs
 to exactly one expert (the layout vLLM's ``moe_align_block_size`` produces). The number of blocks is bounded
 statically by ``nb = (M + min(E, M) * (bm - 1)) // bm``; blocks past the used ones carry expert ``-1`` and are
-skipped. ``xs`` = the tokens' activations gathered in that order (padding rows are zeros). After the experts,
+skipped. ``row_pair`` names each row's pair; the XLA and Mosaic GPU paths gather the activations in that order
+(``gather_rows``, padding rows zeros), the Triton gate/up kernel reads its rows of ``x`` itself. After the experts,
 each pair's output row is gathered back and the ``k`` rows of a token are summed with their routing weights in
 float32 (a gather, so padding rows and skipped blocks are never read).
 
