@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32
+from kimi_jax.ops.select import lowering_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,12 @@ class Tiles:
     splits: int = 14          # K2.6: 7168 / 256 = 28 chunks, 2 per program
     num_warps: int = 4
     num_stages: int = 3
+
+
+# Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000, ~99 KiB of shared memory per block)
+# cannot hold the pipelined [256, 128] router tiles (144 KiB asked, deviceless compile 2026-12-06); 128-input
+# chunks halve that.
+TILES = {"": Tiles(), "RTX PRO 6000": Tiles(block_k=128)}
 
 
 def block(n: int, target: int) -> int | None:
@@ -95,9 +102,11 @@ def _topk_kernel(p_ref, b_ref, ids_ref, w_ref, *, n_cols: int, block_e: int, k: 
 
 
 def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, interpret: bool,
-                 tiles: Tiles = Tiles()):
+                 tiles: Tiles | None = None):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32); shapes as
-    ``api.kernel_refusal`` accepts."""
+    ``api.kernel_refusal`` accepts. ``tiles``: None picks them for the GPU being lowered for
+    (``select.lowering_tiles``)."""
+    tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     t, d = x.shape
     e = router.shape[1]
     bt, be, bk = tiles.block_t, block(e, tiles.block_e), block(d, tiles.block_k)

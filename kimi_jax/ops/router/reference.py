@@ -17,17 +17,23 @@ def scores(x, router):
     return jax.nn.sigmoid(x.astype(F32) @ router.astype(F32))
 
 
-def select(scores, bias, k: int, norm_topk_prob: bool, scaling: float):
-    """(ids [T, k] int32, weights [T, k] float32) of the k experts with the largest ``scores + bias`` (ties: the
-    lowest id first, as ``jax.lax.top_k``)."""
-    # The bias only chooses experts; it is set by the balancing rule (kimi_jax.training), never by gradients.
-    _, ids = jax.lax.top_k(scores + jax.lax.stop_gradient(bias).astype(F32), k)
+def select(scores, choice, k: int, norm_topk_prob: bool, scaling: float):
+    """(ids [T, k] int32, weights [T, k] float32): the k experts with the largest ``choice`` (the biased scores;
+    ties: the lowest id first, as ``jax.lax.top_k``) weighted by their unbiased ``scores``."""
+    _, ids = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), weights * scaling
 
 
+def biased(scores, bias):
+    """The scores experts are chosen by. The bias only chooses experts; it is set by the balancing rule
+    (kimi_jax.training), never by gradients."""
+    return scores + jax.lax.stop_gradient(bias).astype(F32)
+
+
 def route_reference(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32)."""
-    return select(scores(x, router), bias, k, norm_topk_prob, scaling)
+    s = scores(x, router)
+    return select(s, biased(s, bias), k, norm_topk_prob, scaling)
