@@ -3,7 +3,8 @@ sharded over a mesh.
 
 Routing (DeepSeek-V3 / K2): sigmoid scores in float32; the correction bias is added only to *choose* experts
 (group-limited when n_group > 1); the chosen experts are weighted by their unbiased scores, renormalised and
-scaled by routed_scaling_factor. The shared expert sees the same input and is added unscaled.
+scaled by routed_scaling_factor (``ops.router``: on a GPU two Pallas kernels, with one expert group). The shared
+expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
 [E, in, out] matrices, or the dense form ``compute_layout.DenseExperts``) take the XLA path; INT4 experts
@@ -28,26 +29,30 @@ from kimi_jax.model.compute_layout import DenseExperts
 from kimi_jax.model.layers import swiglu
 from kimi_jax.model.params import layer_specs
 from kimi_jax.ops.int4_moe.api import int4_moe
+from kimi_jax.ops.router import api as router_api
+from kimi_jax.ops.router import reference as router_ref
 
 
-def route(x, router, bias, cfg: ModelConfig):
-    """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]."""
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ router.astype(jnp.float32))
-    # The bias only chooses experts; it is set by the balancing rule (kimi_jax.training), never by gradients.
-    choice = scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
-    if cfg.n_group > 1:
-        n = choice.shape[0]
-        groups = choice.reshape(n, cfg.n_group, -1)
-        group_score = jax.lax.top_k(groups, 2)[0].sum(-1)                        # sum of each group's top-2
-        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-        keep_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
-        # Experts of dropped groups can never be chosen (-inf, as transformers 5 and vLLM do).
-        choice = jnp.where(keep_mask[:, :, None], groups, -jnp.inf).reshape(n, -1)
-    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+def route(x, router, bias, cfg: ModelConfig, impl: str = "auto"):
+    """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]. One expert group (K2.6) is
+    ``ops.router``, its kernels where ``impl`` (``Runtime.moe_impl``) picks them; group-limited routing stays
+    here, on XLA."""
+    kw = dict(k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+    if cfg.n_group == 1:
+        # XLA where the router has no kernel: impl="mosaic" (a program without Triton calls), or shapes the
+        # kernels do not tile (tiny test models), which impl="pallas" must not refuse for the MoE's sake
+        if impl == "mosaic" or router_api.kernel_refusal(x.shape[1], router.shape[1], kw["k"]) is not None:
+            impl = "xla"
+        return router_api.route_topk(x, router, bias, impl=impl, **kw)
+    scores = router_ref.scores(x, router)
+    n = scores.shape[0]
+    groups = router_ref.biased(scores, bias).reshape(n, cfg.n_group, -1)
+    group_score = jax.lax.top_k(groups, 2)[0].sum(-1)                        # sum of each group's top-2
+    _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+    keep_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
+    # Experts of dropped groups can never be chosen (-inf, as transformers 5 and vLLM do).
+    choice = jnp.where(keep_mask[:, :, None], groups, -jnp.inf).reshape(n, -1)
+    return router_ref.select(scores, choice, **kw)
 
 
 def float_routed_experts(x, ids, weights, experts):
@@ -87,7 +92,7 @@ def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime()):
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     with jax.named_scope("router"):
-        ids, weights = route(flat, p["router"], p["router_bias"], cfg)
+        ids, weights = route(flat, p["router"], p["router_bias"], cfg, rt.moe_impl)
         loads = expert_loads(ids, cfg.n_routed_experts)
     if rt.mesh is not None and rt.mesh.size > 1:
         y = _sharded_experts(flat, ids, weights, p, cfg, rt)

@@ -20,20 +20,31 @@ interpret-mode loops.)
 
 Which implementation serves which target today, and why:
 
-=====================  ===================  ==================  ================================================
-target                 INT4 MoE             tree attention      why
-=====================  ===================  ==================  ================================================
-CPU, TPU               XLA                  XLA                 no Pallas GPU kernels there; TPU kernels not written
-H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       compiled and spill-free; the Mosaic GPU kernels
-                                                                (``int4_moe/mosaic_gpu.py``,
-                                                                ``tree_attention/mosaic_gpu.py``) compile
-                                                                spill-free too, also inside a K2.6 round, but have
-                                                                never run on a GPU: opt-in (impl="mosaic")
-B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       compiled; the Mosaic kernels use wgmma, which
-                                                                sm_100a lacks (ptxas refuses; tcgen05 needed)
-RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       no wgmma, so Mosaic GPU's Hopper path cannot serve
-                       (8 warps)            (16-query blocks)   it; own tiles (``TILES``) against spills and smem
-=====================  ===================  ==================  ================================================
+=====================  ===================  ==================  ==============  ==================================
+target                 INT4 MoE             tree attention      router          why
+=====================  ===================  ==================  ==============  ==================================
+CPU, TPU               XLA                  XLA                 XLA             no Pallas GPU kernels there; TPU
+                                                                                kernels not written
+H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       Pallas Triton   compiled and spill-free; the Mosaic
+                                                                (2 kernels)     GPU kernels (``int4_moe/
+                                                                                mosaic_gpu.py``, ``tree_attention/
+                                                                                mosaic_gpu.py``) compile spill-free
+                                                                                too, also inside a K2.6 round, but
+                                                                                have never run on a GPU: opt-in
+                                                                                (impl="mosaic"; the router then
+                                                                                runs on XLA: no Mosaic kernel)
+B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       Pallas Triton   compiled; the Mosaic kernels use
+                                                                                wgmma, which sm_100a lacks (ptxas
+                                                                                refuses; tcgen05 needed)
+RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       Pallas Triton   no wgmma, so Mosaic GPU's Hopper
+                       (8 warps)            (16-query blocks)   (128-input      path cannot serve it; own tiles
+                                                                chunks)         (``TILES``) against spills and smem
+=====================  ===================  ==================  ==============  ==================================
+
+The router (``kimi_jax/ops/router``, impl = ``Runtime.moe_impl``) takes its kernels only with one expert group
+(K2.6) and shapes they tile; group-limited routing and other shapes stay on XLA (``model.moe.route``). Its
+kernels compile spill-free for H100, H200, B200 and RTX PRO 6000 (tests/test_router_kernel.py); B300 is not
+compiled; none has run on a GPU.
 
 The Triton backend is deprecated since JAX 0.11; Mosaic GPU replaces it on sm_90+ once ``bench.gpu_check``
 measures it at least as fast on a GPU (docs/mosaic_gpu.md).
