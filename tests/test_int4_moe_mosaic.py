@@ -28,7 +28,7 @@ triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interp
 
 # block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70
 @pytest.mark.parametrize("block_m", [None, 64])
-@pytest.mark.parametrize("stages", [1, Tiles().stages])
+@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), Tiles().stages])
 @pytest.mark.parametrize("t,k,kind", [
     (13, 2, "random"),       # ragged groups
     (1, 4, "random"),        # decode: one token, one real row per block
@@ -46,8 +46,9 @@ def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
     check_close(y, triton(x, idx, w, ex), rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages,block_m", [(2, None), (4, None), (2, 64)] + [
-    pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(1, None), (3, None), (4, 64), (3, 8)]])
+@pytest.mark.parametrize("stages,block_m", [(2, None)] + [
+    pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(4, None), (2, 64), (1, None), (3, None), (4, 64),
+                                                                (3, 8)]])
 def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     """D = 1024 and F = 512: 4 chunks in gate/up and 2 in down, so the copy ring wraps (2, 3 stages), fills
     exactly (down at 2) or holds more slots than chunks (4 stages); all must give the Triton kernel's numbers.
@@ -59,7 +60,7 @@ def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     check_close(mosaic(x, idx, w, ex, Tiles(stages=stages, block_m=block_m)), triton(x, idx, w, ex), rtol=1e-5)
 
 
-@pytest.mark.parametrize("block_m,splits", [(None, 2), (64, 4)])
+@pytest.mark.parametrize("block_m,splits", [(None, 2), pytest.param(64, 4, marks=pytest.mark.slow)])
 def test_mosaic_gate_up_split_k(block_m, splits):
     """gate/up over K splits (float32 partial sums, silu outside): D = 1024 is 4 chunks, 2 or 1 per split."""
     d, f, e = 1024, 256, 2

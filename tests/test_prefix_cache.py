@@ -94,6 +94,7 @@ def test_a_prefill_from_cached_pages_equals_the_whole_prompts_prefill(model, met
 
 
 @embedded
+@pytest.mark.slow
 def test_concurrent_requests_with_and_without_hits_keep_their_tokens(model):
     """Six requests sharing a system prompt, all at once, twice (the second time every prompt's pages are
     cached): each request's greedy tokens equal its prompt through ``Model.generate`` alone (DDTree, budget 4)."""
@@ -119,6 +120,7 @@ def test_concurrent_requests_with_and_without_hits_keep_their_tokens(model):
 
 
 @embedded
+@pytest.mark.slow
 def test_the_server_reports_cached_tokens_and_prefix_metrics(model):
     from kimi_jax.serving.server import create_app, shutdown
     b = Batcher(model, max_batch=2, max_new=8, max_len=128, method="ar")

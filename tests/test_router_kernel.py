@@ -88,8 +88,9 @@ def test_derivative_is_the_reference_s():
 
 
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("target,t", [("h200", 1), ("h200", 17), ("h200", 64), ("h100", 17), ("b200", 17),
-                                      ("rtx_pro_6000", 17)])
+@pytest.mark.parametrize("target,t", [("h200", 17)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("h200", 1), ("h200", 64), ("h100", 17), ("b200", 17),
+                                                             ("rtx_pro_6000", 17)]])
 def test_compiles_at_k26_shapes(target, t):
     """Both kernels, and nothing else, compile spill-free with XLA's real GPU compiler."""
     mesh = targets.compile_mesh(target, 1)
