@@ -61,7 +61,7 @@ from kimi_jax import sharding
 from kimi_jax.api import Model, Request, bucket
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError, State
-from kimi_jax.serving.prefix_cache import PrefixCache
+from kimi_jax.serving.prefix_cache import PrefixCache, PrefixStats
 
 
 log = logging.getLogger("kimi_jax.serve")
@@ -253,8 +253,8 @@ class Batcher:
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
         """Compile every program the loop can run, for greedy and for sampling batches: each prompt bucket's
-        prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire, its growth from the bucket below and its
-        compaction into every smaller one."""
+        prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire,
+        its growth from the bucket below and its compaction into every smaller one."""
         t0 = time.perf_counter()
         for sample in (False, True):
             rows = []
@@ -273,7 +273,7 @@ class Batcher:
                 below = state
         if self.prefix is not None:         # warm-up's pages are not anyone's prompt
             self.prefix.clear()
-            self.prefix.stats = type(self.prefix.stats)()
+            self.prefix.stats = PrefixStats()
         off = " (drafter off: the calibrated costs say trees lose at some batch size)" if self.drafter_off else ""
         log(f"compiled the programs for {self.max_batch} slots (buckets {list(self.slot_buckets)}), prompts up to "
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
