@@ -701,21 +701,24 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
         free([a for a in jax.tree.leaves(params) if id(a) not in shared])
         del params
         try:
-            # every budget with kimi_jax's GPU compile options (graph loops), then the largest again without
-            # them: what CUDA-graph loops and branches save per round (docs/gpu_overhead.md)
-            runs = [(b, True) for b in plan.round_budgets]
+            # every budget with kimi_jax's GPU compile options (graph loops, XLA's split-K), then the largest
+            # without graph loops and without split-K: what CUDA-graph loops and branches save per round, and
+            # whether split-K's extra reductions pay at these widths (docs/gpu_overhead.md)
+            default = model.runtime
+            runs = [(b, default) for b in plan.round_budgets]
             backend = jax.default_backend()
-            if compile_options(backend, Runtime()) != compile_options(backend, Runtime(graph_loops=False)):
-                runs.append((max(plan.round_budgets), False))       # off a GPU the two are one program
-            for budget, graph_loops in runs:
+            for variant in (default.replace(graph_loops=False), default.replace(split_k=False)):
+                if compile_options(backend, variant) != compile_options(backend, default):
+                    runs.append((max(plan.round_budgets), variant))     # off a GPU they are one program
+            for budget, rt in runs:
                 row = dict(impl=impl, budget=budget, method="ar" if budget == 0 else "ddtree",
-                           verify_width=budget + 1, graph_loops=graph_loops)
+                           verify_width=budget + 1, graph_loops=rt.graph_loops, split_k=rt.split_k)
                 rows.append(row)
                 if not ctx["budget"].allows(need):
                     row["status"] = "skipped: budget"
                     continue
                 try:
-                    _one_round(model, cp, plan, row, budget, r1, r2, graph_loops)
+                    _one_round(model, cp, plan, row, budget, r1, r2, rt)
                 except Exception as exc:  # noqa: BLE001
                     row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:600],
                                traceback=traceback.format_exc()[-1500:])
@@ -726,7 +729,7 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
     free(dparams)
 
 
-def _one_round(model, cp, plan, row, budget, r1, r2, graph_loops=True):
+def _one_round(model, cp, plan, row, budget, r1, r2, rt):
     from bench.steady import steady_rounds_program
     from kimi_jax.config import compile_options
     method = "ar" if budget == 0 else "ddtree"
@@ -739,7 +742,7 @@ def _one_round(model, cp, plan, row, budget, r1, r2, graph_loops=True):
     dp = model.drafter_params
     force = np.int32(len(request.spec.widths) - 1 if request.spec.widths else -1)
     t0 = time.perf_counter()
-    options = compile_options(jax.default_backend(), model.runtime.replace(graph_loops=graph_loops))
+    options = compile_options(jax.default_backend(), rt)
     compiled = steady_rounds_program.lower(cp, dp, state, force, np.int32(1), spec=request.spec).compile(options)
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     run = lambda r: compiled(cp, dp, state, force, np.int32(r))  # noqa: E731
@@ -837,7 +840,8 @@ def summary_lines(result: dict) -> list[str]:
             out.append(f"ddtree round ({s['config']}, {s['context_slots']} slots): ms per round")
             for r in s["rows"]:
                 label = (f"  {r['impl']:>6} {r['method']}{'' if r['budget'] == 0 else '-' + str(r['budget'])}"
-                         f"{'' if r.get('graph_loops', True) else ' (no graph loops)'}")
+                         f"{'' if r.get('graph_loops', True) else ' (no graph loops)'}"
+                         f"{'' if r.get('split_k', True) else ' (no split-K)'}")
                 if r.get("status") != "ok":
                     out.append(f"{label}: {r.get('status')} {r.get('error', '')[:160]}")
                     continue

@@ -142,7 +142,10 @@ class Runtime:
     O(chunk x context) instead of O(prompt^2)). page_size: 0 keeps one contiguous latent cache block per row;
     N > 0 pages the cache in pages of N slots, each row owning only the pages its own length needs
     (kimi_jax.cache; one device only for now). graph_loops: on GPUs, loops and branches become CUDA-graph nodes
-    (``compile_options``). Frozen and hashable, so it travels as a jit static argument.
+    (``compile_options``). split_k: False compiles every GEMM on a GPU without split-K (one kernel where XLA's
+    default for decode and verify widths is a partial GEMM plus its reduction; each GEMM then runs on fewer SMs),
+    opt-in until a GPU times both (``bench.gpu_check``'s round section does). Frozen and hashable, so it travels
+    as a jit static argument.
     """
     moe_impl: str = "auto"
     attn_impl: str = "auto"
@@ -151,6 +154,7 @@ class Runtime:
     prefill_chunk: int = 1024
     page_size: int = 0
     graph_loops: bool = True
+    split_k: bool = True
 
     def __post_init__(self):
         from kimi_jax.ops.select import IMPLS
@@ -179,9 +183,12 @@ GRAPH_LOOPS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COL
 def compile_options(platform: str, rt: Runtime = Runtime()) -> dict:
     """XLA compile options kimi_jax compiles its programs with on ``platform`` ("cuda", "cpu", "tpu"; a jax
     Device's ``platform``)."""
-    if platform in ("cuda", "gpu") and rt.graph_loops:
-        return {"xla_gpu_enable_command_buffer": GRAPH_LOOPS}
-    return {}
+    if platform not in ("cuda", "gpu"):
+        return {}
+    options = {"xla_gpu_enable_command_buffer": GRAPH_LOOPS} if rt.graph_loops else {}
+    if not rt.split_k:      # XLA's Triton GEMMs take split_k = 1 (docs/gpu_overhead.md: -1 kernel per GEMM it split)
+        options["xla_gpu_experimental_force_split_k"] = 1
+    return options
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

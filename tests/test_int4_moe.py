@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.api import int4_moe
-from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M
+from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, PLACE_MAX_PAIRS, place_pallas
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
 from kimi_jax.ops.int4_moe.routing import num_blocks, sort_by_expert
 
@@ -95,6 +95,24 @@ def test_counting_places_pairs_as_sorting_does(bm):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
     with pytest.raises(ValueError, match="method"):
         sort_by_expert(idx, E, bm, "bogus")
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+def test_placement_kernel_places_pairs_as_sorting_does(bm):
+    """The Pallas placement kernel (interpret mode) against the sort: one verify's 136 pairs over K2.6's 384
+    experts, a repeated expert, every pair on one expert, one decode token, and the kernel's largest size."""
+    rng = np.random.default_rng(bm)
+    cases = [(rng.integers(0, 384, (17, 8)), 384), (np.where(rng.random((23, 8)) < 0.6, 0, rng.integers(0, E, (23, 8))), E),
+             (np.full((70, 2), 5), E), (rng.integers(0, 384, (1, 8)), 384),
+             (rng.integers(0, 16, (PLACE_MAX_PAIRS // 8, 8)), 16)]
+    for idx, e in cases:
+        idx = jnp.asarray(idx, jnp.int32)
+        got = place_pallas(idx, bm, num_blocks(idx.size, e, bm), interpret=True)
+        want = sort_by_expert(idx, e, bm, "sort")
+        for name, x, y in zip(want._fields, got, want):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}, {idx.shape}")
+    with pytest.raises(ValueError, match="at most"):
+        place_pallas(jnp.zeros((PLACE_MAX_PAIRS + 1, 1), jnp.int32), bm, 1, interpret=True)
 
 
 # --- numerics ---------------------------------------------------------------------------------------------------
@@ -206,5 +224,5 @@ def test_pallas_lowers_to_triton_for_h200_k2_shapes():
     with jax.sharding.use_abstract_mesh(abstract):
         hlo = fn.trace(s((t, d), jnp.bfloat16), s((t, k), jnp.int32), s((t, k), jnp.float32), ex).lower(
             lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 2
+    assert hlo.count("__gpu$xla.gpu.triton") == 3      # placement, gate/up, down (64 x 8 pairs: one kernel)
     assert PALLAS_BLOCK_M[0] >= 16   # Triton dots need every dim >= 16

@@ -109,8 +109,23 @@ def test_real_compiler_trip_counts_and_graph_loops():
 
 def test_compile_options_only_touch_gpus():
     assert compile_options("cpu") == {} and compile_options("tpu") == {}
+    assert compile_options("cpu", Runtime(split_k=False)) == {}
     assert "WHILE" in compile_options("cuda")["xla_gpu_enable_command_buffer"]
     assert compile_options("gpu", Runtime(graph_loops=False)) == {}
+
+
+@needs_gpu
+def test_split_k_off_is_one_kernel_per_gemm():
+    """A verify-width GEMM (17 rows, K2.6's q_b: [17, 1536] x [1536, 1536] on one of 8 devices): XLA splits K for
+    it by default, a partial GEMM and a reduction; Runtime(split_k=False) compiles it as one kernel."""
+    mesh = targets.compile_mesh("h200", 1)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)  # noqa: E731
+    with targets.lowering_for(mesh):
+        lowered = jax.jit(lambda x, w: x @ w).lower(arg(17, 1536), arg(1536, 1536))
+    _, split = thunks.compile_dumped(lowered, compile_options("cuda", Runtime()))
+    _, whole = thunks.compile_dumped(lowered, compile_options("cuda", Runtime(split_k=False)))
+    assert (split["gpu_ops"], whole["gpu_ops"]) == (2, 1)
 
 
 def _b300_repro():

@@ -14,6 +14,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kimi_jax import cache as cache_lib
 from kimi_jax.cache import KVCache, init_cache, visibility
@@ -116,7 +117,9 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
             tapped = jax.lax.dynamic_update_index_in_dim(tapped, x, tap_slot[index], 0)
             return (x, kv, tapped), layer_loads
 
-        indices = jnp.arange(offset, offset + n, dtype=jnp.int32)
+        # numpy, not jnp: on per-layer weights each layer's index is then a Python constant, where an iota's
+        # element is a slice kernel per layer on a GPU (the attention kernel and the cache write take it)
+        indices = np.arange(offset, offset + n, dtype=np.int32)
         (x, kv, tapped), layer_loads = run_layers(body, (x, kv, tapped), params[stack], indices)
         if is_moe:
             loads = layer_loads

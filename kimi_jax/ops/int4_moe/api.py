@@ -8,7 +8,8 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 impl="xla" (``xla.py``) or impl="pallas" (``pallas_triton.py``), or impl="auto": the Pallas kernel where the
 program is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). impl="mosaic" (``mosaic_gpu.py``: TMA +
 wgmma for Hopper, 16-bit activations) is opt-in, for a program lowered for a GPU or in GPU interpret mode. Both group the pairs by expert the same
-way (``routing.py``); ``reference.py`` is the oracle they are tested against.
+way (``routing.py``; the Pallas path places up to ``PLACE_MAX_PAIRS`` pairs with one kernel of its own, the same
+placement exactly); ``reference.py`` is the oracle they are tested against.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas
-from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
+from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, PLACE_MAX_PAIRS, experts_pallas, place_pallas
+from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, num_blocks, sort_by_expert
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
 from kimi_jax.ops.select import check_impl, dispatch, mosaic_lowering
 
@@ -72,7 +73,10 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
         t, k = topk_idx.shape
         lo, hi = PALLAS_BLOCK_M if kernel == "pallas" else XLA_BLOCK_M
         bm = block_m or default_block_m(t * k, experts.num_experts, lo, hi)
-        routing = sort_by_expert(topk_idx, experts.num_experts, bm)
+        if kernel == "pallas" and t * k <= PLACE_MAX_PAIRS:     # one kernel where XLA runs four
+            routing = place_pallas(topk_idx, bm, num_blocks(t * k, experts.num_experts, bm), interpret)
+        else:
+            routing = sort_by_expert(topk_idx, experts.num_experts, bm)
         width = experts.w13.shape[-2] * 8
         if kernel == "xla":
             out = experts_xla(gather_rows(x, routing, k, width), routing.block_expert, experts)

@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
-from kimi_jax.ops.numerics import F32
+from kimi_jax.ops.int4_moe.routing import Routing
+from kimi_jax.ops.numerics import F32, next_pow2
 from kimi_jax.ops.select import lowering_tiles
 
 PALLAS_BLOCK_M = (16, 64)     # min, max rows per block (the routing pads expert groups to these: api.py)
@@ -169,3 +170,89 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
         interpret=interpret,
         name="int4_moe_down",
     )(block_expert, h, ex.w2, ex.s2)
+
+
+# ---- placement: routing.sort_by_expert's counting method as one kernel -------------------------------------------
+
+# Most (token, slot) pairs placed by ``place_pallas``; above, routing.sort_by_expert's XLA paths (prefill, big
+# batches). The kernel's loops cost O(pairs^2 / chunk) steps per program.
+PLACE_MAX_PAIRS = 512
+PLACE_BLOCK_ROWS = 128         # padded rows per program (a power of two >= bm)
+PLACE_TILE = 8192              # elements of one comparison tile: [pairs, chunk] int32 in 4 warps' registers
+
+
+def _place_kernel(ids_ref, row_pair_ref, block_expert_ref, pair_row_ref, *, m: int, bm: int, chunk: int):
+    """Comparisons in [pairs, chunk] tiles, so that registers hold them (all pairs at once spills)."""
+    mp, rows_per = ids_ref.shape[0], row_pair_ref.shape[0]
+    big = jnp.iinfo(jnp.int32).max
+
+    def ids(start, n):          # pairs start.. (+n) and their experts; past the M pairs (padding) expert `big`
+        p = start + jnp.arange(n, dtype=jnp.int32)
+        return p, jnp.where(p < m, ids_ref[pl.ds(start, n)], big)
+
+    p_all, e_all = ids(0, mp)
+
+    def earlier_same(p, e, q, f):       # [len(p), len(q)]: q before p with p's expert
+        return (f[None, :] == e[:, None]) & (q[None, :] < p[:, None])
+
+    def count_rank(c, rank):            # each pair's rank among its expert's pairs, a chunk of the others at a time
+        q, f = ids(c * chunk, chunk)
+        return rank + jnp.sum(earlier_same(p_all, e_all, q, f).astype(jnp.int32), axis=1)
+
+    rank = jax.lax.fori_loop(0, mp // chunk, count_rank, jnp.zeros((mp,), jnp.int32))
+    opens = (p_all < m) & (rank % bm == 0)        # the pairs that open a block of their expert
+    i = pl.program_id(0)        # read here: interpret mode cannot read it inside the loop
+    rows = i * rows_per + jnp.arange(rows_per, dtype=jnp.int32)
+    first = i * rows_per + bm * jnp.arange(rows_per // bm, dtype=jnp.int32)
+
+    def place(c, acc):                  # a chunk of pairs: their rows, then the rows and blocks they fill
+        row_pair, block_expert = acc
+        p, e = ids(c * chunk, chunk)
+        rank_c = jnp.sum(earlier_same(p, e, p_all, e_all).astype(jnp.int32), axis=1)
+        below = jnp.sum(((e_all[None, :] < e[:, None]) & opens[None, :]).astype(jnp.int32), axis=1)
+        pair_row = jnp.where(p < m, below * bm + rank_c, -1)
+
+        @pl.when(i == 0)
+        def _():
+            pair_row_ref[pl.ds(c * chunk, chunk)] = pair_row
+
+        hit = pair_row[None, :] == rows[:, None]
+        row_pair = jnp.minimum(row_pair, jnp.min(jnp.where(hit, p[None, :], m), axis=1))
+        opened = pair_row[None, :] == first[:, None]
+        block_expert = jnp.maximum(block_expert, jnp.max(jnp.where(opened, e[None, :], -1), axis=1))
+        return row_pair, block_expert
+
+    row_pair, block_expert = jax.lax.fori_loop(
+        0, mp // chunk, place, (jnp.full((rows_per,), m, jnp.int32), jnp.full((rows_per // bm,), -1, jnp.int32)))
+    row_pair_ref[...] = row_pair
+    block_expert_ref[...] = block_expert
+
+
+def place_pallas(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool) -> Routing:
+    """``routing.sort_by_expert(topk_idx, E, block_m)`` (``nb`` = ``routing.num_blocks``) as one kernel, for at
+    most ``PLACE_MAX_PAIRS`` pairs: the same ``Routing`` exactly, by the counting method (each pair's rank in its
+    expert and the blocks of lower experts, by comparing every pair with every other). Grid: one program per
+    ``PLACE_BLOCK_ROWS`` padded rows; each recomputes the pairs' rows (a few hundred thousand compares) and
+    writes its rows' pairs and its blocks' experts; program 0 writes every pair's row. It replaces the counting
+    method's four XLA kernels."""
+    flat = topk_idx.reshape(-1).astype(jnp.int32)
+    m = flat.shape[0]
+    if m > PLACE_MAX_PAIRS:
+        raise ValueError(f"place_pallas places at most {PLACE_MAX_PAIRS} pairs, got {m}")
+    mp = next_pow2(m)
+    rows_per = max(PLACE_BLOCK_ROWS, block_m)
+    rows = nb * block_m
+    row_pair, block_expert, pair_row = pl.pallas_call(
+        functools.partial(_place_kernel, m=m, bm=block_m, chunk=min(mp, max(16, PLACE_TILE // mp))),
+        grid=(pl.cdiv(rows, rows_per),),
+        in_specs=[pl.BlockSpec((mp,), lambda i: (0,))],
+        out_specs=[pl.BlockSpec((rows_per,), lambda i: (i,)),
+                   pl.BlockSpec((rows_per // block_m,), lambda i: (i,)),
+                   pl.BlockSpec((mp,), lambda i: (0,))],
+        out_shape=[jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((nb,), jnp.int32),
+                   jax.ShapeDtypeStruct((m,), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="int4_moe_place",
+    )(flat)
+    return Routing(row_pair, block_expert, pair_row)
