@@ -7,8 +7,9 @@ Compiles, with no GPU present (kimi_jax.analysis.targets), and counts from the t
 host syncs, and the bytes of device-to-device copies, for
 
 1. one whole DDTree round (budget 16, K2.6 DFlash drafter) and one AR step of the full K2.6 on a TP-8 mesh, in
-   three builds: stacked layer scans with XLA's default command buffers (before), per-layer weight buffers,
-   and per-layer buffers with graph loops (``kimi_jax.config.compile_options``: what kimi_jax compiles);
+   four builds: stacked layer scans with XLA's default command buffers (before), per-layer weight buffers,
+   per-layer buffers with graph loops (``kimi_jax.config.compile_options``: what kimi_jax compiles), and that
+   with ``Runtime(split_k=False)`` (GEMMs without split-K: the opt-in);
 2. the embedded default's whole generate program (prefill + the round loop), with and without graph loops:
    the round loop's trip count is data-dependent, so without them its predicate is read by the host every round.
 
@@ -26,8 +27,11 @@ import time
 import jax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BUILDS = (("stacked, XLA defaults", False, False), ("per-layer, XLA defaults", True, False),
-          ("per-layer + graph loops", True, True))
+# (name, per-layer weights, the Runtime it compiles with)
+BUILDS = (("stacked, XLA defaults", False, dict(graph_loops=False)),
+          ("per-layer, XLA defaults", True, dict(graph_loops=False)),
+          ("per-layer + graph loops", True, dict()),
+          ("per-layer + graph loops, no split-K", True, dict(split_k=False)))
 KEYS = ("gpu_ops", "in_graphs", "graphs", "host_launches", "host_syncs", "copy_bytes", "compile_s")
 
 
@@ -39,8 +43,8 @@ def k26_rounds(target: str, devices: int) -> list[dict]:
     mesh = targets.compile_mesh(target, devices, f"tp={devices}")
     rows = []
     for method in ("ddtree", "ar"):
-        for name, split, graph_loops in BUILDS:
-            options = {**compile_options("cuda", Runtime(graph_loops=graph_loops)), **targets.compiler_options(target)}
+        for name, split, runtime in BUILDS:
+            options = {**compile_options("cuda", Runtime(**runtime)), **targets.compiler_options(target)}
             with targets.lowering_for(mesh):
                 _, got = target_sweep.compile_round(
                     KIMI_K26, dflash.PRESETS["kimi-k2.6-dflash"], mesh, "tp", method, 1, 16, 4096, split=split,

@@ -302,7 +302,30 @@ def _wakeup_fd() -> int:
     return fd
 
 
-def test_ctrl_c_watch_is_undone_when_the_command_returns():
+@pytest.fixture
+def sigint_handler():
+    """Python's own SIGINT handler for the test, as under an interactive shell: a run started in the background by
+    a non-interactive shell inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_watch_is_undone_when_the_command_returns(sigint_handler):
+    _check_the_watch_is_undone()
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        seen = []
+        assert run_command("t", lambda: seen.append((_wakeup_fd(), signal.getsignal(signal.SIGINT)))) == 0
+        assert seen == [(-1, signal.SIG_IGN)] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _check_the_watch_is_undone():
     seen = []
     handler = signal.getsignal(signal.SIGINT)
     assert run_command("t", lambda: seen.append((_wakeup_fd(), signal.getsignal(signal.SIGINT)))) == 0

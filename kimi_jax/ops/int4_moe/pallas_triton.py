@@ -12,7 +12,8 @@ program reads its block's expert id from a small int32 array and indexes the wei
    of the gathered rows (activation dtype, float32 accumulation) and adds them scaled by the group's scale row (scaling the
    ``[bm, bn]`` partial sum, not the ``[32, bn]`` weights: cheaper at decode widths, and exact since q is an
    integer). It writes ``h = silu(g) * u`` in the activation dtype.
-2. down: grid ``(nb, D / bn)``, the same loop over ``F`` with one matrix, writing float32 rows.
+2. down: grid ``(nb, D / bn)``, the same loop over ``F`` with one matrix, writing float32 rows: a masked store
+   of the block's real rows only (at decode and verify widths 15 of 16 rows are padding, never read).
 
 Every program reads only its block's expert, so the bytes streamed are those of the touched experts (times the
 number of row blocks an expert spans, ``ceil(n_e / bm)``, minus what L2 catches: row blocks of one expert are
@@ -106,7 +107,7 @@ def _gate_up_kernel(block_expert_ref, row_pair_ref, x_ref, w_ref, s_ref, h_ref, 
         h_ref[...] = (acc_g * jax.nn.sigmoid(acc_g) * acc_u).astype(h_ref.dtype)
 
 
-def _down_kernel(block_expert_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int):
+def _down_kernel(block_expert_ref, row_pair_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int, m: int):
     e = block_expert_ref[pl.program_id(0)]
 
     @pl.when(e >= 0)
@@ -118,14 +119,20 @@ def _down_kernel(block_expert_ref, h_ref, w_ref, s_ref, o_ref, *, n_chunks: int)
                 acc += _nibble_dot(hi, w, i) * s_ref[e, c * 8 + i, :].astype(F32)[None, :]
             return acc
 
-        o_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros(o_ref.shape, F32))
+        out = jax.lax.fori_loop(0, n_chunks, chunk, jnp.zeros(o_ref.shape, F32))
+        # only the block's real rows are stored: the combine never reads a padding row, and at decode and verify
+        # widths 15 of a block's 16 rows are padding (a 17-token verify on K2.6 TP-8: 62 MB of float32 rows per
+        # MoE layer per device written where 4 MB are read)
+        real = jnp.broadcast_to((row_pair_ref[...] < m)[:, None], out.shape)
+        pltriton.store(o_ref, out, mask=real)
 
 
 def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.Array, ex: Int4Experts,
                    interpret: bool, tiles: Tiles | None = None) -> jax.Array:
     """Rows ``[nb * bm, D]`` (float32) of the experts of ``block_expert`` [nb] applied to the rows ``x[row_pair //
     k]`` (``routing.Routing``; k = pairs per token): ``x`` ``[T, Dp]`` (columns zero-padded to the word rows'
-    inputs). ``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
+    inputs). Only rows holding a pair are written; padding rows and unused blocks hold whatever the buffer held.
+    ``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     nb = block_expert.shape[0]
     bm = row_pair.shape[0] // nb
@@ -156,10 +163,11 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
 
     bn = _block_n(d, tiles.block_n_down)
     return pl.pallas_call(
-        functools.partial(_down_kernel, n_chunks=f_rows // WORD_ROWS),
+        functools.partial(_down_kernel, n_chunks=f_rows // WORD_ROWS, m=x.shape[0] * k),
         grid=(nb, d // bn),
         in_specs=[
             expert_spec,
+            pl.BlockSpec((bm,), lambda b, n: (b,)),
             pl.BlockSpec((bm, h.shape[1]), lambda b, n: (b, 0)),
             pl.BlockSpec((n_exp, f_rows, bn), lambda b, n: (0, 0, n)),
             pl.BlockSpec((n_exp, f_rows // 4, bn), lambda b, n: (0, 0, n)),
@@ -169,7 +177,7 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
         compiler_params=params,
         interpret=interpret,
         name="int4_moe_down",
-    )(block_expert, h, ex.w2, ex.s2)
+    )(block_expert, row_pair, h, ex.w2, ex.s2)
 
 
 # ---- placement: routing.sort_by_expert's counting method as one kernel -------------------------------------------
