@@ -136,6 +136,8 @@ def test_int4_moe_matches_reference(t, k, kind):
     check_close(y_xla, ref)
     check_close(y_pallas, ref)
     check_close(y_pallas, y_xla)
+    if kind == "one_expert":    # 64-row blocks: the prefill-width tiles (8-warp down, 32-column gate/up)
+        check_close(moe(x, idx, w, ex, impl="pallas", block_m=64), ref)
 
 
 @pytest.mark.slow

@@ -30,6 +30,9 @@ Tiling (for an H200 later; nothing here is tuned on hardware yet):
 - gate/up runs 8 warps: its gathered row loads (one ``[bm, 32]`` pointer tensor per nibble plane and stage)
   spill registers at 4 warps x 3 stages on K2.6 TP-8 slices for H200 (deviceless compile); 4 warps x 2 stages
   do not spill either. Neither is measured on a GPU yet.
+- at 64-row blocks (2048 tokens and up) the float32 accumulators spill registers (deviceless compiles,
+  2026-12-06): the down kernel's at 4 warps on H200, the gate/up kernel's two ``[64, 64]`` on B300. There the
+  down kernel runs 8 warps and gate/up 32-column tiles; below 64 rows the tiles above compile spill-free.
 - no split-K: at batch 1 the grid already has >= 256 programs of 28 (gate/up) or 8 (down) chunks each.
 """
 
@@ -59,6 +62,9 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     num_warps_gate_up: int = 8
+    # at 64-row blocks (prefill widths): the down kernel's warps and the gate/up kernel's columns
+    num_warps_wide: int = 8
+    block_n_gate_up_wide: int = 32
 
 
 # Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000 Blackwell: no wgmma, Triton's mma.sync
@@ -138,11 +144,15 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
     bm = row_pair.shape[0] // nb
     n_exp, _, d_rows, f = ex.w13.shape
     f_rows, d = ex.w2.shape[-2:]
-    params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    # at 64-row blocks the float32 accumulators spill: the down kernel's at 4 warps (H200, 2048 tokens), the
+    # gate/up kernel's two at 64 columns (B300)
+    wide = bm >= 64
+    down_warps = max(tiles.num_warps, tiles.num_warps_wide) if wide else tiles.num_warps
+    params = pltriton.CompilerParams(num_warps=down_warps, num_stages=tiles.num_stages)
     params_gate_up = pltriton.CompilerParams(num_warps=tiles.num_warps_gate_up, num_stages=tiles.num_stages)
     expert_spec = pl.BlockSpec((nb,), lambda b, n: (0,))
 
-    bn = _block_n(f, tiles.block_n_gate_up)
+    bn = _block_n(f, tiles.block_n_gate_up_wide if wide else tiles.block_n_gate_up)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS, k=k),
         grid=(nb, f // bn),
