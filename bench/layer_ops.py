@@ -1,6 +1,6 @@
 """GPU ops per MoE layer, per named scope, of a K2.6-shaped DDTree round with 3 layers.
 
-    python -m bench.layer_ops [--target h200 b200] [--devices 8] [--json out.json]
+    python -m bench.layer_ops [--target h200 b200] [--devices 8] [--json out.json] [--no-split-k]
 
 Compiles, with no GPU present, one whole DDTree round (budget 16: a 17-token verify; batch 1, 4096 cache slots)
 of K2.6 cut to 3 layers (``first_k_dense_replace=1``: one dense layer and 2 MoE layers, every width K2.6's; INT4
@@ -39,15 +39,15 @@ def small_k26():
     return cfg, dcfg
 
 
-def count_round(target: str = "h200", devices: int = 8, keep: str | None = None) -> dict:
+def count_round(target: str = "h200", devices: int = 8, keep: str | None = None, split_k: bool = True) -> dict:
     """thunks' count dict (gpu_ops, by_scope, ...) of the small round for ``devices`` x ``target``, TP.
-    ``keep``: leave XLA's dump there (``thunks.compile_dumped``)."""
+    ``keep``: leave XLA's dump there (``thunks.compile_dumped``); ``split_k``: ``Runtime.split_k``."""
     from kimi_jax.analysis import target_sweep, targets, thunks
     from kimi_jax.config import Runtime, compile_options
 
     cfg, dcfg = small_k26()
     mesh = targets.compile_mesh(target, devices, f"tp={devices}")
-    options = {**compile_options("cuda", Runtime()), **targets.compiler_options(target)}
+    options = {**compile_options("cuda", Runtime(split_k=split_k)), **targets.compiler_options(target)}
     with targets.lowering_for(mesh):
         _, got = target_sweep.compile_round(
             cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True,
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--json", help="also write the counts here")
     ap.add_argument("--keep", help="leave XLA's dump of each target under KEEP/<target>")
+    ap.add_argument("--no-split-k", action="store_true", help="compile as Runtime(split_k=False) does")
     args = ap.parse_args(argv)
     from kimi_jax.analysis import targets
     rows = {}
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
         if reason := targets.compiler_missing(target):
             raise SystemExit(reason)
         t0 = time.perf_counter()
-        got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target))
+        got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target), not args.no_split_k)
         rows[target] = dict(gpu_ops=got["gpu_ops"], host_launches=got["host_launches"],
                             per_layer=per_layer(got["by_scope"]), by_scope=got["by_scope"],
                             moe_layer_ops=moe_layer_ops(got["by_scope"]),
