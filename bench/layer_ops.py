@@ -47,11 +47,22 @@ def count_round(target: str = "h200", devices: int = 8, keep: str | None = None,
 
     cfg, dcfg = small_k26()
     mesh = targets.compile_mesh(target, devices, f"tp={devices}")
-    options = {**compile_options("cuda", Runtime(split_k=split_k)), **targets.compiler_options(target)}
-    with targets.lowering_for(mesh):
-        _, got = target_sweep.compile_round(
-            cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True,
-            compile=lambda lowered: thunks.compile_dumped(lowered, options, target_sweep.SCOPES, keep))
+    got = {}
+    for spills_are_errors in (True, False):
+        options = {**compile_options("cuda", Runtime(split_k=split_k)),
+                   **targets.compiler_options(target, spills_are_errors=spills_are_errors)}
+        try:
+            with targets.lowering_for(mesh):
+                _, got = target_sweep.compile_round(
+                    cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True,
+                    compile=lambda lowered: thunks.compile_dumped(lowered, options, target_sweep.SCOPES, keep))
+            break
+        except Exception as err:  # noqa: BLE001
+            # counted anyway, and said: on B200 one of XLA's own small build_tree fusions spills 4 bytes
+            # (jax 0.12.0.1); the kernels' own compiles keep spills as errors (tests/test_targets.py)
+            if not spills_are_errors or "register spilling" not in str(err):
+                raise
+    got["spills"] = not spills_are_errors
     jax.clear_caches()
     return got
 
@@ -90,13 +101,13 @@ def main(argv=None) -> int:
             raise SystemExit(reason)
         t0 = time.perf_counter()
         got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target), not args.no_split_k)
-        rows[target] = dict(gpu_ops=got["gpu_ops"], host_launches=got["host_launches"],
+        rows[target] = dict(gpu_ops=got["gpu_ops"], host_launches=got["host_launches"], spills=got["spills"],
                             per_layer=per_layer(got["by_scope"]), by_scope=got["by_scope"],
                             moe_layer_ops=moe_layer_ops(got["by_scope"]),
                             compile_s=round(time.perf_counter() - t0, 1))
         r = rows[target]
         print(f"## {target} x {args.devices}, TP: round {r['gpu_ops']} GPU ops, {r['host_launches']} host launches "
-              f"({r['compile_s']} s)")
+              f"({r['compile_s']} s){'; a kernel spills registers (compiled with spills allowed)' if got['spills'] else ''}")
         print("| verify scope | ops per layer (MoE scopes: per MoE layer) |\n|---|---|")
         for s, n in r["per_layer"].items():
             print(f"| {s} | {n:g} |")
