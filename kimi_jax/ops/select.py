@@ -41,6 +41,8 @@ RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       Pallas Triton   
                                                                 chunks)         (``TILES``) against spills and smem
 =====================  ===================  ==================  ==============  ==================================
 
+The INT4 MoE's Pallas path places its (token, slot) pairs by expert with a Pallas kernel too, up to 512 pairs
+(``int4_moe/pallas_triton.place_pallas``); impl="mosaic" and larger batches place them on XLA (``routing.py``).
 The router (``kimi_jax/ops/router``, impl = ``Runtime.moe_impl``) takes its kernels only with one expert group
 (K2.6) and shapes they tile; group-limited routing and other shapes stay on XLA (``model.moe.route``). Its
 kernels compile spill-free for H100, H200, B200 and RTX PRO 6000 (tests/test_router_kernel.py); B300 is not
