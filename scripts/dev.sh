@@ -41,6 +41,12 @@ export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 case "$cmd" in
   decode) exec .venv/bin/python -m kimi_jax.decode "$@" ;;
   serve)  exec .venv/bin/python -m kimi_jax.serve "$@" ;;
-  test)   exec .venv/bin/python -m pytest "$@" ;;
+  test)
+    if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+    # The whole suite: the Mosaic GPU tree-attention tests (GPU interpret mode) in a process of their own. Run
+    # after ~620 other tests in one process they crashed XLA:CPU's compiler (segfault, 2 of 2 clean-clone runs on
+    # 2026-12-06); alone they pass. Cause not found yet: see docs/design.md, "Tests".
+    .venv/bin/python -m pytest --ignore=tests/test_tree_attention_mosaic.py
+    exec .venv/bin/python -m pytest tests/test_tree_attention_mosaic.py ;;
   *)      echo "usage: bash scripts/dev.sh decode|serve|test [args...]" >&2; exit 2 ;;
 esac
