@@ -73,9 +73,9 @@ def fresh_gpu_interpret_state(request):
 
 @pytest.fixture(autouse=True, scope="module")
 def compiled_programs_freed_per_module():
-    """Drop JAX's compiled programs after each test module. The whole suite in one process held every program it
-    compiled: two full runs of 2026-12-06 died with a segfault inside an XLA:CPU compile ~620 tests in, at the
-    same test, which passes alone (each program holds its own code mappings, and a process has 65530)."""
+    """Drop JAX's compiled programs after each test module, so one process never holds every program the suite
+    compiled. Tried against the segfault of 2026-12-06 (docs/design.md, "Tests"); it did not stop it alone, and
+    it is not the memory-mapping limit (~0.6 mappings per program, not released by this)."""
     yield
     import gc
 

@@ -311,10 +311,6 @@ def sigint_handler():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_watch_is_undone_when_the_command_returns(sigint_handler):
-    _check_the_watch_is_undone()
-
-
 def test_an_ignored_ctrl_c_stays_ignored():
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -325,7 +321,7 @@ def test_an_ignored_ctrl_c_stays_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-def _check_the_watch_is_undone():
+def test_ctrl_c_watch_is_undone_when_the_command_returns(sigint_handler):
     seen = []
     handler = signal.getsignal(signal.SIGINT)
     assert run_command("t", lambda: seen.append((_wakeup_fd(), signal.getsignal(signal.SIGINT)))) == 0
