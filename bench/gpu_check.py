@@ -10,9 +10,9 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    both impls ("pallas" with ``interpret=False`` on a GPU, "xla"), at a few shapes including K2.6 TP-8 slice
    shapes, a paged cache and bf16: max abs and max relative error (``max|y - ref| / max|ref|``) against a
    tolerance per dtype, and ok = error <= tolerance. The INT4 MoE's bf16 cases also run the Mosaic GPU kernel
-   ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, not selected by ``impl`` yet: this is how a GPU decides), and so
-   do the tree attention's bf16 cases whose dims it takes (rope 64, latent and page size multiples of 64):
-   impl="mosaic" (``ops/tree_attention/mosaic_gpu.py``, available, not selected by "auto").
+   ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, what "auto" runs on Hopper), and so do the tree attention's bf16
+   cases whose dims it takes (rope 64, latent and page size multiples of 64): impl="mosaic"
+   (``ops/tree_attention/mosaic_gpu.py``, not chosen by "auto": ``kimi_jax/ops/select.py``).
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
    group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel
@@ -24,7 +24,8 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    heads, kv_lora 512, rope 64, bf16) and cache lengths 4096 and 32768, both impls and the Mosaic GPU kernel
    ("mosaic", 16-bit caches only), with the latent-cache bytes the call must read / time.
 5. ``round``: one DDTree round (draft, build_tree, verify, accept, commit) of a 3-layer K2.6 (the preset's real
-   dims: 1 dense + 2 MoE layers, random INT4 experts) with a 1-layer drafter, per kernel choice, plain AR and
+   dims: 1 dense + 2 MoE layers, random INT4 experts) with a 1-layer drafter, per kernel choice ("auto", the
+   default: Mosaic GPU experts on Hopper; "pallas": all Triton; "xla"), plain AR and
    ddtree budget 16, at a 4096-slot cache: ms per round from ``bench.steady.steady_rounds_program`` and the stage
    profile (bench/round_profile.py's instruction-to-stage map applied to a ``jax.profiler`` trace).
 
@@ -117,7 +118,7 @@ FULL = Plan(
                 ("k26_decode_s32768_bf16", 1, 1, 16, 512, 64, 32768, 0, BF16)),
     moe_shape=(384, 7168, 256, 8), moe_tokens=(1, 8, 16, 32, 64), moe_dtype=BF16,
     attn_dims=(16, 512, 64), attn_widths=(1, 5, 17, 33, 65), attn_caches=(4096, 32768), attn_dtype=BF16,
-    round_layers=3, round_budgets=(16, 0), round_impls=("pallas", "xla"), round_context=4096,
+    round_layers=3, round_budgets=(16, 0), round_impls=("auto", "pallas", "xla"), round_context=4096,
     round_rounds=(3, 13),
 )
 
@@ -286,12 +287,6 @@ def attention_inputs(rng, b, t, h, r, p, s, page, dtype):
     return q, qpe, n(b * per_row + 3, page, r + p), lengths, mask, jnp.asarray(perm.reshape(b, per_row), jnp.int32)
 
 
-def mosaic_attention_fits(r: int, p: int, page: int, dtype) -> bool:
-    """Whether the tree attention's Mosaic GPU kernel takes these dims: a 16-bit cache (wgmma), rope 64, a
-    latent and a page size that are multiples of 64 (its key blocks and swizzled tiles)."""
-    return jnp.dtype(dtype).itemsize == 2 and p == 64 and r % 64 == 0 and page % 64 == 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 1. kernels against their references
 
@@ -302,6 +297,7 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
     from kimi_jax.ops.int4_moe.reference import int4_moe_reference
     from kimi_jax.ops.tree_attention.api import latent_attention
+    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
     from kimi_jax.ops.tree_attention.reference import dense_reference
 
     on_gpu, interpret = ctx["on_gpu"], not ctx["on_gpu"]
@@ -354,7 +350,7 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
         scale = float((r // 4 + p) ** -0.5)
         ref = np.asarray(ref_fn(q, qpe, rows_view(kv, table), lengths, mask, scale=scale))
         outs = {}
-        for impl in ("pallas", "xla") + (("mosaic",) if mosaic_attention_fits(r, p, page, dtype) else ()):
+        for impl in ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, page, dtype) else ()):
             row = dict(kernel="tree_attention", case=name, impl=impl, batch=b, width=t, heads=h, kv_lora=r, rope=p,
                        slots=s, page_size=page, lengths=np.asarray(lengths).tolist(), dtype=jnp.dtype(dtype).name,
                        tol=tolerance(dtype, on_gpu))
@@ -499,6 +495,7 @@ def _ragged_moe(ragged_dot, e, sort_by_expert, combine, weights, x, idx, wt):
 
 def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.tree_attention.api import latent_attention
+    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
 
     h, r, p = plan.attn_dims
     interpret, n = not ctx["on_gpu"], plan.chain
@@ -525,7 +522,7 @@ def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
             mask = jnp.stack([tree_mask(rng, 1, t) for _ in range(n)])
             need = (s - t - 1) * (r + p) * itemsize
             row = dict(slots=s, width=t, lengths=s - t - 1, bytes_per_call=need, input_sets=n_sets)
-            impls = ("pallas", "xla") + (("mosaic",) if mosaic_attention_fits(r, p, 0, plan.attn_dtype) else ())
+            impls = ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, 0, plan.attn_dtype) else ())
             for impl in impls:
                 op = functools.partial(latent_attention, scale=scale, impl=impl,
                                        interpret=interpret if impl != "xla" else None)

@@ -39,7 +39,8 @@ def small_k26():
     return cfg, dcfg
 
 
-def count_round(target: str = "h200", devices: int = 8, keep: str | None = None, split_k: bool = True) -> dict:
+def count_round(target: str = "h200", devices: int = 8, keep: str | None = None, split_k: bool = True,
+                impl: str = "auto") -> dict:
     """thunks' count dict (gpu_ops, by_scope, ...) of the small round for ``devices`` x ``target``, TP.
     ``keep``: leave XLA's dump there (``thunks.compile_dumped``); ``split_k``: ``Runtime.split_k``."""
     from kimi_jax.analysis import target_sweep, targets, thunks
@@ -54,7 +55,7 @@ def count_round(target: str = "h200", devices: int = 8, keep: str | None = None,
         try:
             with targets.lowering_for(mesh):
                 _, got = target_sweep.compile_round(
-                    cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True,
+                    cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True, impl=impl,
                     compile=lambda lowered: thunks.compile_dumped(lowered, options, target_sweep.SCOPES, keep))
             break
         except Exception as err:  # noqa: BLE001
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--json", help="also write the counts here")
     ap.add_argument("--keep", help="leave XLA's dump of each target under KEEP/<target>")
+    ap.add_argument("--impl", default="auto", help="both kernels' Runtime choice (auto, pallas, mosaic)")
     ap.add_argument("--no-split-k", action="store_true", help="compile as Runtime(split_k=False) does")
     args = ap.parse_args(argv)
     from kimi_jax.analysis import targets
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
         if reason := targets.compiler_missing(target):
             raise SystemExit(reason)
         t0 = time.perf_counter()
-        got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target), not args.no_split_k)
+        got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target), not args.no_split_k,
+                          args.impl)
         rows[target] = dict(gpu_ops=got["gpu_ops"], host_launches=got["host_launches"], spills=got["spills"],
                             per_layer=per_layer(got["by_scope"]), by_scope=got["by_scope"],
                             moe_layer_ops=moe_layer_ops(got["by_scope"]),

@@ -111,15 +111,25 @@ def _k26_round(impl: str, target: str = "h200"):
     return lowered, LAYERS, LAYERS - DENSE
 
 
-@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-def test_runtime_mosaic_puts_the_mosaic_kernels_in_a_k26_round_for_h200():
-    """Runtime(moe_impl="mosaic", attn_impl="mosaic"): every MoE layer's two expert kernels and every layer's
-    tree attention are Mosaic GPU calls, and no Triton call is left; "auto" (the default) is all Triton."""
-    lowered, layers, moe = _k26_round("mosaic")
+def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
+    """(Triton calls, Mosaic GPU calls, layers, MoE layers) of the lowered K2.6 round for ``target``."""
+    lowered, layers, moe = _k26_round(impl, target)
     text = lowered.as_text()
-    assert text.count(MOSAIC_CALL) == 2 * moe + layers and TRITON_CALL not in text
-    default = _k26_round("auto")[0].as_text()
-    assert default.count(TRITON_CALL) >= 2 * moe + layers and MOSAIC_CALL not in default
+    return text.count(TRITON_CALL), text.count(MOSAIC_CALL), layers, moe
+
+
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("target,impl", [("h200", "auto"), ("h100", "auto"), ("b200", "auto"), ("rtx_pro_6000", "auto"),
+                                         ("h200", "mosaic"), ("h200", "pallas")])
+def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
+    """ops/select.py's table, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
+    placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge): Hopper's
+    "auto" (and "mosaic") runs the experts and the attention on Mosaic GPU, the rest on Triton; Blackwell (no
+    wgmma), sm_120 and "pallas" run all on Triton."""
+    triton, mosaic, layers, moe = _kernel_calls(target, impl)
+    on_mosaic = impl == "mosaic" or (impl == "auto" and target in ("h100", "h200"))
+    expected = (3 * moe + layers, 2 * moe + layers) if on_mosaic else (5 * moe + 2 * layers, 0)
+    assert (triton, mosaic) == expected
 
 
 @pytest.mark.slow
@@ -142,3 +152,14 @@ def test_mosaic_outside_a_gpu_lowering_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="lowered for a GPU"):
         latent_attention(q, q[..., :16], np.zeros((1, 64, 48), np.float32), np.asarray([4], np.int32),
                          np.ones((1, 2, 2), bool), 0.1, impl="mosaic")
+
+
+def test_hopper_is_read_from_the_device_kind():
+    """What jax reports for sm_90 parts (and the compile-only targets' kinds) against other GPUs' and none."""
+    from kimi_jax.ops.select import hopper
+    kinds = {"NVIDIA H100 80GB HBM3": True, "NVIDIA H200 141GB HBM3e": True, "NVIDIA GH200 480GB": True,
+             "NVIDIA H800": True, "NVIDIA H20": True, "NVIDIA B200": False, "NVIDIA A100-SXM4-80GB": False,
+             "NVIDIA RTX PRO 6000 Blackwell Server Edition": False, "NVIDIA H2000": False, None: False}
+    assert {k: hopper(k) for k in kinds} == kinds
+    assert [hopper(targets.get_target(n).device_kind) for n in ("h100", "h200", "b200", "b300", "rtx_pro_6000")] == \
+        [True, True, False, False, False]

@@ -18,14 +18,18 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 GPU_MISSING = targets.compiler_missing("h200")
 
 
-@pytest.mark.slow     # one ~30 s compile on a 2-core CPU
+@pytest.mark.slow     # one ~30 s compile a case on a 2-core CPU
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-def test_moe_layer_ops_for_h200():
+@pytest.mark.parametrize("impl,experts,round_ops", [("auto", 4, 393), ("pallas", 3, 391)])
+def test_moe_layer_ops_for_h200(impl, experts, round_ops):
+    """The default round for H200 (Mosaic GPU experts and attention) and the all-Triton one: experts on Mosaic
+    GPU take one launch more (the row gather: Hopper's TMA copies boxes, not rows), the attention is at par
+    (its tree rows and queries read in place, the merge in one kernel)."""
     from bench import layer_ops
 
-    got = layer_ops.count_round("h200", 8)
+    got = layer_ops.count_round("h200", 8, impl=impl)
     per = layer_ops.per_layer(got["by_scope"])
-    assert per["experts"] <= 3 and per["router"] <= 2 and per["shared_expert"] <= 3, per
-    assert layer_ops.moe_layer_ops(got["by_scope"]) <= 8, per
+    assert per["experts"] <= experts and per["router"] <= 2 and per["shared_expert"] <= 3, per
+    assert layer_ops.moe_layer_ops(got["by_scope"]) <= experts + 5, per
     assert per["attend"] <= 16 / 3 and per["qkv_proj"] <= 5 and per["o_proj"] <= 2 and per["cache_write"] <= 1, per
-    assert got["gpu_ops"] <= 391, got["by_scope"]
+    assert got["gpu_ops"] <= round_ops, got["by_scope"]

@@ -133,3 +133,29 @@ def test_rejects_bad_shapes():
         latent_attention(q, qpe, kv, jnp.zeros((1,), jnp.int32), causal(1, 2), 1.0, impl="triton")
     with pytest.raises(ValueError):
         latent_attention(q, qpe, kv, jnp.zeros((1,), jnp.int32), causal(1, 2), 1.0, impl="pallas", block_k=24)
+
+
+def test_merge_states_is_the_softmax_over_all_parts():
+    """xla.merge_states (the XLA path's merge: one variadic reduction and one weighted sum) against a
+    softmax over every part's visible keys at once: parts that see nothing, a query that sees nothing (zeros),
+    scores 60 apart (the shift must be the true max), and the merge axis in the middle."""
+    from kimi_jax.ops.numerics import MASK_VALUE
+    from kimi_jax.ops.tree_attention.xla import merge_states
+    rng = np.random.default_rng(3)
+    parts, nq, keys, r = 5, 7, 4, 3
+    scores = rng.standard_normal((parts, nq, keys)) * 20
+    visible = rng.random((parts, nq, keys)) < 0.5
+    visible[1:, 2] = False          # query 2 sees part 0 only
+    visible[:, 5] = False           # query 5 sees nothing
+    values = rng.standard_normal((parts, keys, r))
+    m = np.where(visible, scores, MASK_VALUE).max(-1)
+    p = np.where(visible, np.exp(scores - m[..., None]), 0.0)
+    acc = np.einsum("pqk,pkr->pqr", p, values)
+    args = [np.asarray(a, np.float32) for a in (m, p.sum(-1), acc)]
+    out = merge_states(*args, axis=0)
+    mid = merge_states(*(a[None] for a in args), axis=1)
+    for q in range(nq):
+        s, v = scores[:, q][visible[:, q]], values[visible[:, q]]
+        want = np.zeros(r) if not s.size else np.exp(s - s.max()) @ v / np.exp(s - s.max()).sum()
+        np.testing.assert_allclose(np.asarray(out[q]), want, rtol=1e-5, atol=1e-6, err_msg=f"query {q}")
+        np.testing.assert_allclose(np.asarray(mid[0, q]), want, rtol=1e-5, atol=1e-6)

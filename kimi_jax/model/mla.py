@@ -14,6 +14,8 @@ n nope dim, p rope dim, v value dim, d model dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +25,7 @@ from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import apply_rope, rms_norm
 from kimi_jax.ops.numerics import MASK_VALUE
 from kimi_jax.ops.select import dispatch
-from kimi_jax.ops.tree_attention.api import latent_attention
+from kimi_jax.ops.tree_attention.api import latent_attention, mosaic_serves
 
 
 def queries(x, p, cfg: ModelConfig, positions, inv_freq):
@@ -111,9 +113,12 @@ def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: Mod
         return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, name, interpret, layer)
 
     operands = (q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer)
-    if impl == "mosaic":                # opt-in, for a program lowered for a GPU (kimi_jax.ops.select)
-        return kernel(*operands, interpret=False, name="mosaic")
-    return dispatch(operands, impl=impl, interpret=False, pallas=kernel, xla=dense)
+    mosaic = functools.partial(kernel, interpret=False, name="mosaic")
+    if impl == "mosaic":                # for a program lowered for a GPU (kimi_jax.ops.select)
+        return mosaic(*operands)
+    page = 0 if page_table is None else kv.shape[-2]
+    serves = mosaic_serves(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page, kv.dtype)
+    return dispatch(operands, impl=impl, interpret=False, pallas=kernel, xla=dense, mosaic=mosaic if serves else None)
 
 
 def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret,

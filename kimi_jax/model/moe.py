@@ -39,9 +39,11 @@ def route(x, router, bias, cfg: ModelConfig, impl: str = "auto"):
     here, on XLA."""
     kw = dict(k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     if cfg.n_group == 1:
-        # XLA where the router has no kernel: impl="mosaic" (a program without Triton calls), or shapes the
-        # kernels do not tile (tiny test models), which impl="pallas" must not refuse for the MoE's sake
-        if impl == "mosaic" or router_api.kernel_refusal(x.shape[1], router.shape[1], kw["k"]) is not None:
+        # The router's kernels are Triton's (no Mosaic GPU version: two small kernels where XLA runs six), so a
+        # program whose experts run on Mosaic GPU routes with them too; XLA where they do not tile (tiny test
+        # models), which impl="pallas" must not refuse for the MoE's sake
+        impl = "pallas" if impl == "mosaic" else impl
+        if router_api.kernel_refusal(x.shape[1], router.shape[1], kw["k"]) is not None:
             impl = "xla"
         return router_api.route_topk(x, router, bias, impl=impl, **kw)
     scores = router_ref.scores(x, router)

@@ -2,59 +2,65 @@
 
 ``impl`` (``Runtime.moe_impl`` / ``Runtime.attn_impl``, and the ops' own ``impl=``):
 
-* ``"auto"`` (the default): the Pallas kernel in a program lowered for a GPU (cuda), the XLA path in a program
-  lowered for a CPU or a TPU;
-* ``"pallas"``: the Pallas kernel on a GPU; on other platforms the same kernel in Pallas interpret mode (its own
-  code run as plain HLO, which is how the tests check it on a CPU);
+* ``"auto"`` (the default): the GPU kernels in a program lowered for a GPU (cuda), by the table below (the INT4
+  MoE on Mosaic GPU where the target is Hopper, Triton elsewhere), the XLA path in a program lowered for a CPU or
+  a TPU;
+* ``"pallas"``: the Pallas Triton kernels on every GPU; on other platforms the same kernels in Pallas interpret
+  mode (their own code run as plain HLO, which is how the tests check them on a CPU);
 * ``"xla"``: the XLA path everywhere;
-* ``"mosaic"`` (both ops; opt-in, never chosen by ``"auto"``): the Mosaic GPU kernel in a program lowered for
-  a Hopper GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere (``mosaic_lowering``).
+* ``"mosaic"`` (both ops): the Mosaic GPU kernels, the tree attention's included, in a program lowered for a
+  Hopper GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere (``mosaic_lowering``).
 
 ``interpret=True`` runs the Pallas kernel in interpret mode on every platform (a caller who asks for it).
 
 The choice is ``jax.lax.platform_dependent``: every candidate is traced, only the one for the platform the
 program is lowered for is lowered. So a program lowered for cuda on a CPU host (``kimi_jax.analysis.targets``)
-holds the GPU kernels, and the same jitted function lowered for cpu holds none. (Until this module, the choice
-followed ``jax.default_backend()`` at trace time, and a cuda program lowered on a CPU host silently carried
-interpret-mode loops.)
+holds the GPU kernels, and the same jitted function lowered for cpu holds none. Within cuda, the GPU it is
+lowered for (``lowering_gpu``: the compile-only target's device kind, or this process's GPU) picks Mosaic GPU
+or Triton at trace time (``hopper``). (Until this module, the choice followed ``jax.default_backend()`` at trace
+time, and a cuda program lowered on a CPU host silently carried interpret-mode loops.)
 
-Which implementation serves which target today, and why:
+Which implementation serves which target under "auto", and why (none of these kernels has run on a GPU yet:
+interpret mode checks their numbers, the real compilers their code; ``bench.gpu_check`` times them side by side):
 
 =====================  ===================  ==================  ==============  ==================================
 target                 INT4 MoE             tree attention      router          why
 =====================  ===================  ==================  ==============  ==================================
 CPU, TPU               XLA                  XLA                 XLA             no Pallas GPU kernels there; TPU
                                                                                 kernels not written
-H100, H200 (sm_90a)    Pallas Triton        Pallas Triton       Pallas Triton   compiled and spill-free; the Mosaic
-                                                                (2 kernels)     GPU kernels (``int4_moe/
-                                                                                mosaic_gpu.py``, ``tree_attention/
-                                                                                mosaic_gpu.py``) compile spill-free
-                                                                                too, also inside a K2.6 round, but
-                                                                                have never run on a GPU: opt-in
-                                                                                (impl="mosaic"; the router then
-                                                                                runs on XLA: no Mosaic kernel)
-B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       Pallas Triton   compiled; the Mosaic kernels use
-                                                                                wgmma, which sm_100a lacks (ptxas
+H100, H200 (sm_90a)    **Mosaic GPU**       Pallas Triton       Pallas Triton   MoE: TMA + wgmma, the supported
+                       (placement: Triton)                      (2 kernels)     backend; one launch more a MoE
+                                                                                layer than Triton's (the row
+                                                                                gather: TMA copies boxes, not
+                                                                                rows). Attention: the Mosaic
+                                                                                kernel (impl="mosaic") costs 4
+                                                                                launches a layer more (tree rows,
+                                                                                padded q and mask, merge on XLA)
+B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       Pallas Triton   the Mosaic kernels use wgmma,
+                                                                                which sm_100a lacks (ptxas
                                                                                 refuses; tcgen05 needed)
 RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       Pallas Triton   no wgmma, so Mosaic GPU's Hopper
                        (8 warps)            (16-query blocks)   (128-input      path cannot serve it; own tiles
                                                                 chunks)         (``TILES``) against spills and smem
 =====================  ===================  ==================  ==============  ==================================
 
-The INT4 MoE's Pallas path places its (token, slot) pairs by expert with a Pallas kernel too, up to 512 pairs
-(``int4_moe/pallas_triton.place_pallas``); impl="mosaic" and larger batches place them on XLA (``routing.py``).
-The router (``kimi_jax/ops/router``, impl = ``Runtime.moe_impl``) takes its kernels only with one expert group
-(K2.6) and shapes they tile; group-limited routing and other shapes stay on XLA (``model.moe.route``). Its
-kernels compile spill-free for H100, H200, B200 and RTX PRO 6000 (tests/test_router_kernel.py); B300 is not
-compiled; none has run on a GPU.
+Where the Mosaic MoE does not serve a call on Hopper, "auto" takes Triton's: 32-bit activations (wgmma takes
+16-bit ones) or an explicit ``block_m``. Both GPU MoE paths place their (token, slot) pairs by expert with one
+Triton kernel up to 512 pairs (``int4_moe/pallas_triton.place``), on XLA above (``routing.py``); Mosaic GPU has
+no placement or router kernel of ours. The router (``kimi_jax/ops/router``, impl = ``Runtime.moe_impl``,
+"mosaic" meaning its Triton kernels) takes its kernels only with one expert group (K2.6) and shapes they tile;
+group-limited routing and other shapes stay on XLA (``model.moe.route``). Its kernels compile spill-free for
+H100, H200, B200 and RTX PRO 6000 (tests/test_router_kernel.py); B300 is not compiled.
 
-The Triton backend is deprecated since JAX 0.11; Mosaic GPU replaces it on sm_90+ once ``bench.gpu_check``
-measures it at least as fast on a GPU (docs/mosaic_gpu.md).
+The Triton backend is deprecated since JAX 0.11. When it goes, Hopper keeps its Mosaic MoE and needs the Mosaic
+attention (and XLA's router and placement, ~7 launches a MoE layer more); Blackwell needs tcgen05 kernels
+(docs/mosaic_gpu.md).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable
 
 import jax
@@ -108,13 +114,25 @@ def mosaic_lowering(interpret: bool) -> None:
                          "or runs with interpret=True (GPU interpret mode)")
 
 
-def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable):
-    """``pallas(*operands, interpret=bool)`` or ``xla(*operands)``, as ``impl`` says for the lowering platform
-    (module doc). Operands are pytrees; ``pallas`` and ``xla`` must return the same shapes and dtypes."""
+def hopper(device_kind: str | None) -> bool:
+    """Whether ``device_kind`` (as jax reports it: "NVIDIA H200 141GB HBM3e") is an sm_90 GPU: H100, H200,
+    H800, H20, GH200. By name, as the tile tables pick, since compile-only targets carry no compute capability."""
+    return bool(re.search(r"\bG?H(100|200|800|20)\b", device_kind or ""))
+
+
+def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable,
+             mosaic: Callable | None = None):
+    """``pallas(*operands, interpret=bool)``, ``mosaic(*operands)`` or ``xla(*operands)``, as ``impl`` says for the
+    lowering platform (module doc). ``mosaic``: the Mosaic GPU kernel that "auto" runs where the program is
+    lowered for a Hopper GPU (the caller passes it only for calls it serves). Operands are pytrees; every
+    implementation must return the same shapes and dtypes."""
     check_impl(impl)
     if impl == "xla":
         return xla(*operands)
     if interpret:
         return pallas(*operands, interpret=True)
     elsewhere = xla if impl == "auto" else functools.partial(pallas, interpret=True)
-    return jax.lax.platform_dependent(*operands, cuda=functools.partial(pallas, interpret=False), default=elsewhere)
+    # read at trace time; a program lowered for a CPU has no GPU here, so it never traces a Mosaic kernel
+    cuda = mosaic if impl == "auto" and mosaic is not None and hopper(lowering_gpu()) else \
+        functools.partial(pallas, interpret=False)
+    return jax.lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)

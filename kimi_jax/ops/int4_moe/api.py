@@ -5,11 +5,12 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 ``kimi_jax.ops.int4_format.Int4Experts`` (K-major int32 words; nibble ``i`` of word row ``32c + j`` = input
 ``256c + 32i + j``; bf16 scales ``[K/32, N]``).
 
-impl="xla" (``xla.py``) or impl="pallas" (``pallas_triton.py``), or impl="auto": the Pallas kernel where the
-program is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). impl="mosaic" (``mosaic_gpu.py``: TMA +
-wgmma for Hopper, 16-bit activations) is opt-in, for a program lowered for a GPU or in GPU interpret mode. Both group the pairs by expert the same
-way (``routing.py``; the Pallas path places up to ``PLACE_MAX_PAIRS`` pairs with one kernel of its own, the same
-placement exactly); ``reference.py`` is the oracle they are tested against.
+impl="xla" (``xla.py``), impl="pallas" (``pallas_triton.py``: Triton kernels), impl="mosaic" (``mosaic_gpu.py``:
+TMA + wgmma for Hopper, 16-bit activations; a program lowered for a GPU, or GPU interpret mode), or impl="auto":
+Mosaic GPU where the program is lowered for a Hopper GPU and the call suits it, the Triton kernels on other GPUs,
+XLA elsewhere (``kimi_jax.ops.select``). All group the pairs by expert the same way (``routing.py``; the GPU
+paths place up to ``PLACE_MAX_PAIRS`` pairs with one Triton kernel, the same placement exactly);
+``reference.py`` is the oracle they are tested against.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, PLACE_MAX_PAIRS, experts_pallas, place_pallas
-from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, num_blocks, sort_by_expert
+from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas, place
+from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
-from kimi_jax.ops.select import check_impl, dispatch, mosaic_lowering
+from kimi_jax.ops.select import check_impl, dispatch, hopper, lowering_gpu, mosaic_lowering
+
+
+def mosaic_serves(dtype, experts: Int4Experts, block_m: int | None) -> bool:
+    """Whether "auto" takes the Mosaic GPU kernels: the program is lowered for a Hopper GPU (anywhere else
+    Mosaic GPU is not even imported), the kernels take the dims (``mosaic_gpu.takes``), and no ``block_m`` was
+    given (it means Triton's sizes)."""
+    if not hopper(lowering_gpu()) or block_m is not None:
+        return False
+    from kimi_jax.ops.int4_moe.mosaic_gpu import takes
+    return takes(dtype, experts.d_model, experts.d_ff)
 
 
 def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
@@ -61,11 +72,15 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
     """
     _check(x, topk_idx, topk_weight, experts, impl)
     experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
-    if impl == "mosaic":
-        # imported here: Mosaic GPU's Python side loads only for programs that ask for it
+
+    def mosaic(x, topk_idx, topk_weight, experts, interpret=False):
+        # imported here: Mosaic GPU's Python side loads only for programs that lower it
         from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
-        mosaic_lowering(interpret)
         return int4_moe_mosaic(x, topk_idx, topk_weight, experts, interpret=interpret, tiles=Tiles(block_m=block_m))
+
+    if impl == "mosaic":
+        mosaic_lowering(interpret)
+        return mosaic(x, topk_idx, topk_weight, experts, interpret=interpret)
     if block_m is not None:
         _check_block_m(block_m, "xla" if impl == "xla" else "pallas")
 
@@ -73,8 +88,8 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
         t, k = topk_idx.shape
         lo, hi = PALLAS_BLOCK_M if kernel == "pallas" else XLA_BLOCK_M
         bm = block_m or default_block_m(t * k, experts.num_experts, lo, hi)
-        if kernel == "pallas" and t * k <= PLACE_MAX_PAIRS:     # one kernel where XLA runs four
-            routing = place_pallas(topk_idx, bm, num_blocks(t * k, experts.num_experts, bm), interpret)
+        if kernel == "pallas":      # one kernel where XLA runs four (up to PLACE_MAX_PAIRS pairs)
+            routing = place(topk_idx, experts.num_experts, bm, interpret)
         else:
             routing = sort_by_expert(topk_idx, experts.num_experts, bm)
         width = experts.w13.shape[-2] * 8
@@ -86,4 +101,5 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
     return dispatch((x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,
-                    pallas=functools.partial(run, kernel="pallas"), xla=functools.partial(run, kernel="xla"))
+                    pallas=functools.partial(run, kernel="pallas"), xla=functools.partial(run, kernel="xla"),
+                    mosaic=mosaic if mosaic_serves(x.dtype, experts, block_m) else None)

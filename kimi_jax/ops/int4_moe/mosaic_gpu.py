@@ -3,7 +3,8 @@
 ``experts_mosaic(xs, block_expert, ex, interpret)`` takes the rows gathered by ``routing.gather_rows`` (``nb``
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
 contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``, which
-saves that gather). Not wired into ``api.py`` yet (docs/mosaic_gpu.md).
+saves that gather: Hopper's TMA copies boxes, it does not gather rows). ``int4_moe_mosaic`` is the whole layer
+(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.select``).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
@@ -41,8 +42,9 @@ mean rows per touched expert, in [8, 64]):
   of ``D`` bf16 and 64 float32 output rows a block).
 - ``bm`` = 8, 16 or 32 rows, **swapped**: the weight columns fill wgmma's M (``bn = 64``) and the block's rows are
   its N (a multiple of 8): ``acc [64, bm] += q^T [64, 32] x^T [32, bm]``, both operands transposed views of the
-  same smem tiles (16-bit wgmma reads either major order). The kernels write ``[N, rows]``; ``experts_mosaic``
-  transposes ``h`` (rows x F bf16) and the output (fused into ``combine``'s gather). At K2.6 decode this cuts
+  same smem tiles (16-bit wgmma reads either major order). gate/up stores ``h`` through a transposed view of a
+  ``[rows, N]`` smem tile, so it leaves the kernel as down reads it; down's output and split-K partial sums
+  leave ``[N, rows]``, and their transposes fuse into ``combine``'s gather and the split sum. At K2.6 decode this cuts
   the gathered and written rows 8-fold (bm 8 instead of 64) and the x tiles in smem from 32 to 4 KiB a stage.
 """
 
@@ -134,6 +136,12 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     n_out = 2 if epilogue is None else 1
     width = n_mats * n if epilogue is None else n
     acc_shape = (bn, bm) if swap else (bm, bn)
+    # Swapped, the accumulators are [N, rows]. With an epilogue (gate/up's h, read next by down as its rows) the
+    # tile is stored through a transposed view of a [rows, N] smem tile, so h leaves the kernel [rows, N] and
+    # needs no transpose kernel; partial sums and down's output stay [N, rows] (their transposes fuse into the
+    # split sum and combine's gather).
+    out_t = swap and epilogue is not None
+    o_shape = acc_shape[::-1] if out_t else acc_shape
 
     def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
         b = lax.axis_index("b")
@@ -199,19 +207,22 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
             outs = accs if epilogue is None else (epilogue(*accs),)
             for m, out in enumerate(outs):
-                o_smem[m] = out.astype(out_dtype)
+                if out_t:
+                    o_smem.at[m].transpose((1, 0))[...] = out.astype(out_dtype)
+                else:
+                    o_smem[m] = out.astype(out_dtype)
             plgpu.commit_smem()
             for m in range(n_out):
                 mat, col = src(m)
                 rows, cols = pl.ds(b * bm, bm), pl.ds(mat * n + col if epilogue is None else col, bn)
                 dst = o_gmem.at[lax.axis_index("k")]
-                plgpu.copy_smem_to_gmem(o_smem.at[m], dst.at[(cols, rows) if swap else (rows, cols)])
+                plgpu.copy_smem_to_gmem(o_smem.at[m], dst.at[(cols, rows) if swap and not out_t else (rows, cols)])
             plgpu.wait_smem_to_gmem(0)
 
     n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((splits, width, xs.shape[0]) if swap else (splits, xs.shape[0], width),
+        out_type=jax.ShapeDtypeStruct((splits, width, xs.shape[0]) if swap and not out_t else (splits, xs.shape[0], width),
                                       out_dtype),
         grid=(nb, n // cta_n, splits),
         grid_names=("b", "n", "k"),
@@ -221,7 +232,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
             plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype),
             # 64-byte swizzle for both wgmma operands (their swizzles must agree; 32 K elements = 64 B)
             plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
-            plgpu.SMEM((n_out, *acc_shape), out_dtype, transforms=_swizzled(acc_shape[1], out_dtype)),
+            plgpu.SMEM((n_out, *o_shape), out_dtype, transforms=_swizzled(o_shape[1], out_dtype)),
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -253,8 +264,8 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
     nb = block_expert.shape[0]
     swap = xs.shape[0] // nb < WGMMA_M
-    # swapped, the kernels write [N, rows]; h and the output are transposed here (decode sizes: h is
-    # rows x F / 8 bf16 at TP-8, and the transpose of the output fuses into combine's gather)
+    # swapped, gate/up's partial sums and down's output come [N, rows]: transposed here (the transposes fuse
+    # into the split sum and into combine's gather); gate/up's h comes [rows, F] (``_grouped_kernel``)
     transposed = (lambda a: a.T) if swap else (lambda a: a)
     bn = WGMMA_M if swap else tiles.block_n_gate_up
     n_chunks = ex.w13.shape[-2] // WORD_ROWS
@@ -262,7 +273,7 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn,
                                 stages=tiles.stages, interpret=interpret)
     if splits == 1:
-        h = transposed(gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0])
+        h = gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0]
     else:       # float32 partial sums of gate and up, then silu(g) * u here (rows x 2F x splits floats)
         g, u = jnp.split(transposed(gate_up(out_dtype=F32, epilogue=None, splits=splits).sum(0)), 2, axis=1)
         h = _swiglu(g, u).astype(xs.dtype)
@@ -272,17 +283,28 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
                                       out_dtype=F32, epilogue=None, interpret=interpret)[0])
 
 
+def takes(dtype, d_model: int, d_ff: int) -> bool:
+    """Whether the kernels take a layer of these dims at any row block: 16-bit activations (wgmma) and output
+    widths in whole CTA tiles in both tilings (gate/up: ``F`` in 64-column tiles swapped, 32 at 64 rows; down:
+    ``D`` in two 64-column tiles swapped, two 32-column ones at 64 rows). K2.6 at TP-8: D = 7168, F = 256."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
+        d_ff % WGMMA_M == 0 and d_model % (2 * WGMMA_M) == 0
+
+
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
                     tiles: Tiles | None = None) -> jax.Array:
     """``api.int4_moe``'s computation through the Mosaic GPU kernels: routing blocks of ``tiles.block_m`` rows,
     by default the next power of two of the mean rows per touched expert in [8, 64] (``routing.default_block_m``;
-    under 64 the kernels run swapped)."""
-    from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
+    under 64 the kernels run swapped). The pairs are placed as the Triton path places them
+    (``pallas_triton.place``: its placement kernel up to 512 pairs, XLA above): Mosaic GPU has no such kernel
+    of ours, and four XLA kernels in its place cost launches at every MoE layer."""
+    from kimi_jax.ops.int4_moe.pallas_triton import place
+    from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows
 
     tiles = tiles or Tiles()
     t, k = topk_idx.shape
     bm = tiles.block_m or default_block_m(t * k, experts.num_experts, 8, WGMMA_M)
-    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
+    routing = place(topk_idx, experts.num_experts, bm, interpret)
     xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
     out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
     return combine(out, routing, topk_weight).astype(jnp.float32)

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.routing import Routing
+from kimi_jax.ops.int4_moe.routing import Routing, num_blocks, sort_by_expert
 from kimi_jax.ops.numerics import F32, next_pow2
 from kimi_jax.ops.select import lowering_tiles
 
@@ -274,3 +274,11 @@ def place_pallas(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool) ->
         name="int4_moe_place",
     )(flat)
     return Routing(row_pair, block_expert, pair_row)
+
+
+def place(topk_idx: jax.Array, num_experts: int, block_m: int, interpret: bool) -> Routing:
+    """The GPU paths' placement (Triton's and Mosaic GPU's kernels share it): ``place_pallas``, one kernel, up to
+    ``PLACE_MAX_PAIRS`` pairs; above, ``routing.sort_by_expert`` on XLA. Both give the same ``Routing``."""
+    if topk_idx.size <= PLACE_MAX_PAIRS:
+        return place_pallas(topk_idx, block_m, num_blocks(topk_idx.size, num_experts, block_m), bool(interpret))
+    return sort_by_expert(topk_idx, num_experts, block_m)

@@ -17,24 +17,33 @@ gets zeros here, where the dense form (``mla._softmax`` with a finite mask value
 
 impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) or impl="pallas"
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
-through the table), or impl="auto": the Pallas kernel where the program is lowered for a GPU, XLA elsewhere
-(``kimi_jax.ops.select``); ``reference.py`` is the dense oracle they are tested against. impl="mosaic"
-(``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches only) is available but never chosen by
-"auto" until a GPU has measured it (``bench.gpu_check``). It runs compiled where the program is lowered for a
-GPU (``select.lowering_gpu``), or in Pallas' GPU interpret mode with interpret=True, and refuses otherwise.
+through the table) or impl="mosaic" (``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches;
+compiled where the program is lowered for a GPU, in Pallas' GPU interpret mode with interpret=True, refused
+otherwise), or impl="auto": Mosaic GPU where the program is lowered for a Hopper GPU and the call suits it
+(``mosaic_serves``), the Triton kernel on other GPUs, XLA elsewhere (``kimi_jax.ops.select``); ``reference.py``
+is the dense oracle they are tested against.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
-from kimi_jax.ops.select import check_impl, dispatch, mosaic_lowering
+from kimi_jax.ops.select import check_impl, dispatch, hopper, lowering_gpu, mosaic_lowering
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
 
+def mosaic_serves(r: int, p: int, page: int, dtype, block_q=None, block_k=None) -> bool:
+    """Whether "auto" takes the Mosaic GPU kernel for a call with these dims: the program is lowered for a
+    Hopper GPU (anywhere else Mosaic GPU is not even imported) and the kernel takes the cache
+    (``mosaic_gpu.takes_cache``) and the blocks (64, or the default)."""
+    if not hopper(lowering_gpu()) or {block_q, block_k} - {None, 64}:
+        return False
+    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
+    return takes_cache(r, p, page, dtype)
 
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
@@ -93,4 +102,7 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     if impl == "mosaic":
         mosaic_lowering(interpret)
         return mosaic(*operands, interpret=bool(interpret))
-    return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla)
+    page = 0 if page_table is None else kv.shape[1]
+    serves = mosaic_serves(r, q_pe.shape[-1], page, kv.dtype, block_q, block_k)
+    return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla,
+                    mosaic=functools.partial(mosaic, interpret=False) if serves else None)

@@ -1,6 +1,7 @@
 """Tree-verify attention as a Mosaic GPU kernel (``plgpu.kernel``, Hopper TMA + wgmma), first version.
 
-The same contract as ``pallas_triton.latent_attention_pallas`` (api.py offers it as impl="mosaic"): absorbed MLA
+The same contract as ``pallas_triton.latent_attention_pallas`` (api.py: impl="mosaic", and "auto" in a program
+lowered for a Hopper GPU): absorbed MLA
 over the latent cache (contiguous ``[b, s, r+p]`` or a page pool with ``page_table``, optionally the whole cache
 ``[layers, ...]`` read in place at ``layer``), the tree's ancestor mask, split-K over the committed prefix and
 a log-sum-exp merge. Never run on a GPU yet: checked in GPU interpret mode and by deviceless compiles
@@ -27,9 +28,12 @@ Structure (why it differs from the Triton kernel):
   ``c_kv[:, chunk]``. Registers: 210-254 a thread at K2.6 TP-8 shapes (ptxas, sm_90a), no spills.
 - ``bk = 64`` because a 64-element bf16 row is 128 bytes: every smem tile then takes the 128-byte swizzle, and
   wgmma wants the swizzles of its operands to agree (docs/mosaic_gpu.md, int4 kernel).
-- Tree rows: the ``t`` rows at ``lengths + j`` are gathered outside the kernel into ``[b, tp, r+p]`` (tp = t
-  rounded up to 64; 147 KB per batch row at t = 65, against 4.7 MB of cache at 4k slots: a small copy, and it
-  makes contiguous and paged caches the same case). The ancestor mask is an int8 ``[b, qp, tp]`` array (74 KB
+- Queries are read unpadded ``[b, t*h, r]``: TMA fills the last block's rows past ``t*h`` with zeros.
+- Tree rows: the ``t`` rows at ``lengths + j``. A contiguous cache is read in place from the slot
+  ``lengths - lengths % TREE_ALIGN`` (Mosaic GPU's TMA into 8-row tiles needs a start it can prove a multiple of
+  8), so tree key column k is node ``k - lengths % 8`` (the mask says so); rows past the cache end come back as
+  TMA's zeros. A paged cache has them gathered outside into ``[b, tp, r+p]`` (a block may span two pages). The
+  ancestor mask is an int8 ``[b, qp, tp]`` array (74 KB
   per batch row at t = 65, 8 heads) that the kernel loads tile by tile straight into the score layout. (A
   bit-packed mask, as Triton's, was tried with the tree blocks in a loop: its expansion in registers, two
   broadcast words, a select and a shift over the [64, 64] tile, spilled at t = 65; the int8 tile in a loop
@@ -41,7 +45,8 @@ Structure (why it differs from the Triton kernel):
   loop in a second ``run_scoped``, which reuses the loop's shared memory. The probabilities go through shared
   memory (not a register operand of wgmma, as FA3 does) because Pallas' GPU interpreter, which the tests run
   the kernel in, takes only smem operands.
-- Partials ``(acc [64, dv], m, l)`` per split are float32 in HBM and merge by LSE in jnp (``xla.merge_states``).
+- Partials ``(acc [64, dv], m, l)`` per split are float32 in HBM and merge by LSE in Triton's merge kernel
+  (``pallas_triton.merge_pallas``: one launch, where XLA's merge is two; Mosaic GPU has no merge of ours).
 """
 
 from __future__ import annotations
@@ -56,13 +61,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
-from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
+from kimi_jax.ops.tree_attention.pallas_triton import merge_pallas
+from kimi_jax.ops.tree_attention.xla import tree_rows
 from kimi_jax.ops.select import mosaic_interpret_params
 
 BLOCK_Q = 64            # wgmma M of one warpgroup
 BLOCK_K = 64            # key rows per block: 128-byte rows in bf16, so every tile takes the 128-byte swizzle
 TARGET_CTAS = 132       # one per H200 SM: 226 KiB of shared memory a CTA leaves room for one CTA an SM
 MIN_BLOCKS_PER_SPLIT = 4
+MERGE_BLOCK = 32        # queries per program of Triton's merge kernel: [32, 512] float32 fits its registers
+TREE_ALIGN = 8          # tree rows read in place start at a multiple of the smem tile's 8 rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +98,11 @@ def default_splits(n_blocks: int, ctas_per_split: int) -> int:
 
 def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, scale, dv, stages, ns, bps, n_slots,
                     n_tree, page, interpret):
-    """The kernel: partial states o [b, ns+1, qp, r], m, l [b, ns+1, qp] (float32)."""
-    b, qp, r = q.shape
+    """The kernel: partial states o [b, ns+1, qp, r], m, l [b, ns+1, qp] (float32) for queries q [b, n_q, r],
+    qpe [b, n_q, p], unpadded: TMA fills the rows of the last query block past n_q with zeros. Tree rows come
+    from ``tree_kv`` [b, tp, r+p] when paged, else from the cache at lengths + j (``tree_kv`` is None)."""
+    b, _, r = q.shape
+    qp = tree_mask.shape[1]
     p = qpe.shape[-1]
     n_v, nq = r // dv, qp // BLOCK_Q
     dt = q.dtype
@@ -123,10 +134,14 @@ def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, sc
             return (key >= start) & (key < length)
 
         def tree_fetch(j, c_dst, kpe_dst, bar):
-            rows = (bi, pl.ds(j * BLOCK_K, BLOCK_K))
+            # contiguous: in place at lengths + j (TMA fills rows past the cache end with zeros; rows past t are
+            # masked); paged: the rows gathered outside (one 64-row block may span two pages)
+            rows = (bi, pl.ds(j * BLOCK_K, BLOCK_K)) if page else (layer, bi, pl.ds(
+                (len_gmem[bi] // TREE_ALIGN) * TREE_ALIGN + j * BLOCK_K, BLOCK_K))
+            src = tkv_gmem if page else kv_gmem
             for v in range(n_v):
-                plgpu.copy_gmem_to_smem(tkv_gmem.at[(*rows, pl.ds(v * dv, dv))], c_dst.at[v], bar)
-            plgpu.copy_gmem_to_smem(tkv_gmem.at[(*rows, pl.ds(r, p))], kpe_dst, bar)
+                plgpu.copy_gmem_to_smem(src.at[(*rows, pl.ds(v * dv, dv))], c_dst.at[v], bar)
+            plgpu.copy_gmem_to_smem(src.at[(*rows, pl.ds(r, p))], kpe_dst, bar)
 
         def tree_mask(j):
             # the [64 queries, 64 tree keys] tile of the ancestor mask, straight from HBM into the score layout
@@ -243,7 +258,31 @@ def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, sc
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params(interpret),
     )
-    return kernel(lengths, layer, table, q, qpe, kv, tree_kv, tree_mask)
+    # contiguous: the cache stands in for tree_kv (a second reference to the same buffer, never read as such)
+    return kernel(lengths, layer, table, q, qpe, kv, kv if tree_kv is None else tree_kv, tree_mask)
+
+
+def check_cache(r: int, p: int, page: int, dtype, tiles: Tiles = Tiles()) -> None:
+    """Raises unless the kernel takes a latent cache of ``r`` + ``p`` columns of ``dtype`` in pages of ``page``
+    slots (0: contiguous): 16-bit (wgmma), rope 64, a latent dim that is a multiple of 64 and of the value
+    chunk, pages of whole 64-key blocks. ``api.latent_attention``'s "auto" asks it before choosing this kernel."""
+    if jnp.dtype(dtype).itemsize != 2:
+        raise TypeError(f"the Mosaic GPU kernel runs a 16-bit cache (wgmma), got {jnp.dtype(dtype)}")
+    dv = min(tiles.block_v, r)
+    if p != 64 or r % 64 or r % dv or dv % 64:
+        raise ValueError(f"the Mosaic GPU kernel needs rope dim 64 and a latent dim that is a multiple of 64 and "
+                         f"of block_v={dv} (K2: 512 + 64), got {r} + {p}")
+    if page and page % BLOCK_K:
+        raise ValueError(f"the Mosaic GPU kernel needs a page size that is a multiple of {BLOCK_K}, got {page}")
+
+
+def takes_cache(r: int, p: int, page: int, dtype) -> bool:
+    """``check_cache`` as a yes/no, with the default tiles."""
+    try:
+        check_cache(r, p, page, dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q=None, block_k=None,
@@ -262,31 +301,36 @@ def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         kv, layer = kv[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     dt = kv.dtype
-    if jnp.dtype(dt).itemsize != 2:
-        raise TypeError(f"the Mosaic GPU kernel runs a 16-bit cache (wgmma), got {dt}")
-    dv = min(tiles.block_v, r)
-    if p != 64 or r % 64 or r % dv or dv % 64:
-        raise ValueError(f"the Mosaic GPU kernel needs rope dim 64 and a latent dim that is a multiple of 64 and "
-                         f"of block_v={dv} (K2: 512 + 64), got {r} + {p}")
     page = 0 if page_table is None else kv.shape[2]
-    if page and page % BLOCK_K:
-        raise ValueError(f"the Mosaic GPU kernel needs a page size that is a multiple of {BLOCK_K}, got {page}")
+    check_cache(r, p, page, dt, tiles)
+    dv = min(tiles.block_v, r)
     n_slots = kv.shape[2] if not page else page_table.shape[1] * page
 
-    # Tree rows (module doc): gathered from logical slots, through the table when paged.
-    kv_layer = lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)
-    tp = _cdiv(t, BLOCK_K) * BLOCK_K
-    tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
+    # Tree rows (module doc): gathered from logical slots through the table when paged (tree key column k is
+    # node k); read in place from a contiguous cache, from the slot lengths - off below them that is a multiple
+    # of TREE_ALIGN (Mosaic GPU's TMA into 8-row tiles needs that start), so column k is node k - off.
+    lengths = lengths.astype(jnp.int32)
+    off = lengths % TREE_ALIGN if not page else jnp.zeros_like(lengths)
+    tp = _cdiv(t + (0 if page else TREE_ALIGN - 1), BLOCK_K) * BLOCK_K
+    node = jnp.arange(tp, dtype=jnp.int32)[None, :] - off[:, None]                                # [b, tp]
+    slot = lengths[:, None] + node
+    ok = (node >= 0) & (node < t) & (slot < n_slots) & (slot >= 0)
+    tree_kv = None
+    if page:
+        kv_layer = lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)
+        tree_kv, _ = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)
     if not page and n_slots < BLOCK_K:   # tiny caches only: pad so that one key block fits (masked past lengths)
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, BLOCK_K - n_slots), (0, 0)))
     table = (jnp.zeros((b, 1), jnp.int32) if not page else page_table.astype(jnp.int32))
 
-    # Queries node-major, padded to whole 64-row blocks (a copy of q: 64 KiB per block in bf16).
+    # Queries node-major, unpadded (the kernel's TMA zero-fills the last block's rows past n_q); the mask is
+    # padded to whole 64-row blocks (the kernel reads it with plain loads). It depends on no layer: one per round.
     n_q = t * h
     nq = _cdiv(n_q, BLOCK_Q)
     qp = nq * BLOCK_Q
-    flat = lambda x: jnp.pad(x.astype(dt).reshape(b, n_q, -1), ((0, 0), (0, qp - n_q), (0, 0)))  # noqa: E731
-    mask = jnp.pad(new_mask.astype(bool), ((0, 0), (0, 0), (0, tp - t))) & ok[:, None, :]          # [b, t, tp]
+    flat = lambda x: x.astype(dt).reshape(b, n_q, -1)  # noqa: E731
+    columns = jnp.broadcast_to(jnp.clip(node, 0, t - 1)[:, None, :], (b, t, tp))
+    mask = jnp.take_along_axis(new_mask.astype(bool), columns, axis=2) & ok[:, None, :]              # [b, t, tp]
     mask = jnp.broadcast_to(mask[:, :, None, :], (b, t, h, tp)).reshape(b, n_q, tp)
     mask = jnp.pad(mask, ((0, 0), (0, qp - n_q), (0, 0))).astype(jnp.int8)                            # [b, qp, tp]
 
@@ -294,11 +338,10 @@ def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     ns = num_splits or default_splits(n_blocks, nq * (r // dv) * b)
     ns = max(1, min(ns, n_blocks))
     bps = _cdiv(n_blocks, ns)
-    o, m, l = _attention_call(flat(q_lat), flat(q_pe), kv, tree_kv, mask, lengths.astype(jnp.int32), layer,
+    o, m, l = _attention_call(flat(q_lat), flat(q_pe), kv, tree_kv, mask, lengths, layer,
                               table, scale=float(scale), dv=dv, stages=tiles.stages, ns=ns, bps=bps,
                               n_slots=n_slots, n_tree=tp // BLOCK_K, page=page, interpret=interpret)
-    out = merge_states(m, l, o, axis=1)                                                         # [b, qp, r]
-    # a query that saw no key (m still MASK_VALUE everywhere) holds junk (no second where in the kernel): zeros,
-    # as the module contract of api.py says
-    out = jnp.where((jnp.max(m, axis=1) > MASK_VALUE / 2)[..., None], out, 0.0)
-    return out[:, :n_q].reshape(b, t, h, r).astype(out_dtype or F32)
+    # Triton's merge kernel (one launch; XLA's merge_states is two): a query that saw no key (m still MASK_VALUE
+    # everywhere) holds junk here (no second where in the kernel), which it zeroes, as api.py's contract says
+    out = merge_pallas(o, m, l, MERGE_BLOCK, out_dtype or F32, bool(interpret), rows=n_q)           # [b, n_q, r]
+    return out.reshape(b, t, h, r)

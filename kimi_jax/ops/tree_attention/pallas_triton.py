@@ -168,7 +168,8 @@ def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, 
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
     """LSE merge of the n_parts partial states of one query block (xla.merge_states, one launch instead of
-    XLA's three fusions: max, sum of weights, weighted sum)."""
+    XLA's two fusions). A query whose every part kept the initial max saw no key: zeros (the Mosaic GPU kernel
+    leaves junk in such a state's l and acc; this kernel's own partials have l = 0 there)."""
     big_m = jax.lax.fori_loop(1, n_parts, lambda j, mx: jnp.maximum(mx, m_ref[j, :]), m_ref[0, :])
 
     def body(j, carry):
@@ -177,20 +178,24 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
         return total + w * l_ref[j, :], acc + w[:, None] * o_ref[j, :, :]
 
     total, acc = jax.lax.fori_loop(0, n_parts, body, (jnp.zeros_like(big_m), jnp.zeros(out_ref.shape, F32)))
-    out_ref[...] = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(out_ref.dtype)
+    seen = (big_m > MASK_VALUE / 2)[:, None]
+    out_ref[...] = jnp.where(seen, acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0).astype(out_ref.dtype)
 
 
-def _merge(o, m, l, bq, out_dtype, interpret):
-    """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, n_q, r] in out_dtype."""
+def merge_pallas(o, m, l, bq, out_dtype, interpret, rows: int | None = None):
+    """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, rows, r] in out_dtype: the first ``rows`` (default
+    n_q) queries' merged outputs. The Triton kernel's merge, and the Mosaic GPU kernel's (its partials hold
+    whole 64-query blocks; ``rows`` drops the padding without a copy)."""
     b, parts, n_q, r = o.shape
+    rows = rows or n_q
     return pl.pallas_call(
         functools.partial(_merge_kernel, n_parts=parts),
-        grid=(_cdiv(n_q, bq), b),
+        grid=(_cdiv(rows, bq), b),
         in_specs=[pl.BlockSpec((None, parts, bq, r), lambda i, k: (k, 0, i, 0)),
                   pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i)),
                   pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i))],
         out_specs=pl.BlockSpec((None, bq, r), lambda i, k: (k, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, n_q, r), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((b, rows, r), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mla_tree_attention_merge",
@@ -311,5 +316,5 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
-    out = _merge(o, m, l, bq, out_dtype or F32, interpret)                                 # [b, n_q, r]
+    out = merge_pallas(o, m, l, bq, out_dtype or F32, interpret)                               # [b, n_q, r]
     return out[..., :r_in].reshape(b, t, h, r_in)

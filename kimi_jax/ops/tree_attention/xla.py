@@ -12,6 +12,7 @@ tree over the ``t`` rows gathered at ``lengths + j``), merged by LSE.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from kimi_jax.cache import gather
 from kimi_jax.ops.numerics import F32, MASK_VALUE
@@ -39,10 +40,17 @@ def _partial_state(q_lat, q_pe, c_kv, k_pe, visible, scale):
 
 
 def merge_states(m, l, acc, axis: int):
-    """LSE merge of partial states stacked along ``axis`` (m, l: [..., q]; acc: [..., q, r])."""
-    big_m = jnp.max(m, axis=axis, keepdims=True)
-    w = jnp.exp(m - big_m)
-    total = jnp.sum(w * l, axis=axis)
+    """LSE merge of partial states stacked along ``axis`` (m, l: [..., q]; acc: [..., q, r]) -> [..., q, r].
+    ``(M, L)`` comes from one variadic reduction (the online softmax's own pairwise rule), so the merge is two GPU
+    kernels, not three (a max, then a sum that needs it)."""
+    def pair(a, b):
+        (ma, la), (mb, lb) = a, b
+        mm = jnp.maximum(ma, mb)
+        return mm, la * jnp.exp(ma - mm) + lb * jnp.exp(mb - mm)
+
+    lowest = jnp.finfo(F32).min     # finite: exp(lowest - lowest) stays 1, where -inf would give nan
+    big_m, total = lax.reduce((m.astype(F32), l.astype(F32)), (F32(lowest), F32(0)), pair, (axis % m.ndim,))
+    w = jnp.exp(m - jnp.expand_dims(big_m, axis))
     out = jnp.sum(jnp.expand_dims(w, -1) * acc, axis=axis)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
