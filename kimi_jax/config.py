@@ -133,11 +133,12 @@ LEGACY_RUNTIME_FIELDS = ("moe_impl", "attn_impl")
 class Runtime:
     """How a model runs, as opposed to what it is (ModelConfig): kernel choices and the device mesh.
 
-    moe_impl / attn_impl: "auto" (GPU kernels where a program is lowered for a GPU: the INT4 MoE on Mosaic GPU on
-    Hopper, Triton otherwise; XLA where it is lowered for a CPU or TPU), "pallas" (the Triton kernels; interpret
-    mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels, the tree attention's too: programs lowered for
+    moe_impl / attn_impl: "auto" (GPU kernels where a program is lowered for a GPU: Mosaic GPU on Hopper for the
+    calls its kernels take, Triton otherwise; XLA where it is lowered for a CPU or TPU), "pallas" (the Triton
+    kernels; interpret mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels always: programs lowered for
     a Hopper GPU with 16-bit activations and caches), for the INT4 expert matmul and the tree-verify attention
-    (kimi_jax.ops.select's table decides, per lowering target). mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
+    (kimi_jax.ops.select's table decides, per lowering target).
+    mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
     O(chunk x context) instead of O(prompt^2)). page_size: 0 keeps one contiguous latent cache block per row;

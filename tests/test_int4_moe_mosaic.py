@@ -2,7 +2,11 @@
 dense reference and the Triton kernel, and a deviceless compile for H200 at K2.6 TP-8 slice shapes."""
 
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +75,28 @@ def test_mosaic_gate_up_split_k(block_m, splits):
     check_close(y, triton(x, idx, w, ex), rtol=1e-5)
 
 
+# tcgen05 (Blackwell): always swapped, 128 weight columns a tile, row blocks of 16 or more (default 16 here);
+# GPU interpret mode simulates TMEM and the tensor-core barrier. F = 128 is one gate/up tile, D = 256 one down CTA.
+@pytest.mark.parametrize("t,k,block_m,splits", [(13, 2, None, None), (1, 4, None, None),
+                                                pytest.param(37, 2, 64, None, marks=pytest.mark.slow)])
+def test_tcgen05_interpret_matches_the_triton_kernel(t, k, block_m, splits):
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(t + k, t, k, e=E, kind="random")
+    x = jnp.asarray(np.random.default_rng(t).normal(size=(t, D)), jnp.bfloat16)
+    y = mosaic(x, idx, w, ex, Tiles(mma="tcgen05", block_m=block_m, splits_gate_up=splits))
+    check_close(y, int4_moe_reference(x.astype(jnp.float32), idx, w, ex), rtol=2e-2)
+    check_close(y, triton(x, idx, w, ex), rtol=1e-5)
+
+
+def test_tcgen05_gate_up_split_k():
+    """The float32 partial sums (a TMEM accumulator read per group, stored [N, rows]) over 2 K splits."""
+    d, f, e = 512, 128, 2
+    ex = random_experts(2, e=e, d=d, f=f)
+    idx, w = routing(6, 5, 2, e=e)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(5, d)), jnp.bfloat16)
+    check_close(mosaic(x, idx, w, ex, Tiles(mma="tcgen05", splits_gate_up=2)), triton(x, idx, w, ex), rtol=1e-5)
+
+
 def test_gate_up_splits_fill_h200_at_decode():
     # K2.6 TP-8 (D = 7168: 28 chunks, F = 256): 8 blocks x 4 column tiles at one token, 64 x 4 at eight
     assert gate_up_splits(8 * 4, 28) == 7 and gate_up_splits(64 * 4, 28) == 1
@@ -98,6 +124,16 @@ def test_mosaic_block_sizes():
         int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(block_m=128))
 
 
+def test_tcgen05_block_sizes():
+    ex = random_experts(0, e=E, d=D, f=F)
+    idx, w = routing(0, 3, 2, e=E)
+    x = jnp.zeros((3, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(mma="tcgen05", block_m=8))
+    with pytest.raises(ValueError, match="Tiles.mma"):
+        int4_moe_mosaic(x, idx, w, ex, interpret=True, tiles=Tiles(mma="mma.sync"))
+
+
 def test_mosaic_rejects_f32_activations():
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(0, 3, 2, e=E)
@@ -109,10 +145,11 @@ GPU_MISSING = targets.compiler_missing("h200")
 K26_TP8 = dict(e=384, d=7168, f=256, k=8)     # K2.6 under TP-8: expert width 2048 / 8
 
 
-def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd):
+def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd=None):
     """Lower and compile ``int4_moe_mosaic`` for a compile-only ``target`` at the K2.6 TP-8 slice; returns the HLO,
     ptxas' report (MOSAIC_GPU_DUMP_PTXAS: XLA's spill option does not reach Mosaic GPU kernels, which compile
-    their own PTX) and the shared memory Mosaic GPU allocates for each kernel."""
+    their own PTX; with ``capfd`` None it goes to this process's stderr) and the shared memory Mosaic GPU
+    allocates for each kernel."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
     smem = []
@@ -125,13 +162,22 @@ def compile_k26_slice(target, tokens, tiles, monkeypatch, capfd):
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     ex = Int4Experts(w13=s((e, 2, d // 8, f), jnp.int32), s13=s((e, 2, d // 32, f), jnp.bfloat16),
                      w2=s((e, f // 8, d), jnp.int32), s2=s((e, f // 32, d), jnp.bfloat16))
-    capfd.readouterr()
+    if capfd:
+        capfd.readouterr()
     with targets.lowering_for(mesh):
         lowered = jax.jit(functools.partial(int4_moe_mosaic, tiles=tiles)).lower(
             s((tokens, d), jnp.bfloat16), s((tokens, k), jnp.int32), s((tokens, k), jnp.float32), ex)
     hlo = lowered.compile(targets.compiler_options(target)).as_text()
-    report = capfd.readouterr()
-    return hlo, report.out + report.err, smem
+    report = capfd.readouterr() if capfd else None
+    return hlo, report and report.out + report.err, smem
+
+
+def blackwell_compile(target, tokens) -> dict:
+    """``compile_k26_slice`` with the default tiles (tcgen05, picked by the target), for a process of its own
+    (``test_tcgen05_compiles_for_blackwell_k26_slice``): the Mosaic GPU calls and the shared memory."""
+    with pytest.MonkeyPatch.context() as mp:
+        hlo, _, smem = compile_k26_slice(target, tokens, Tiles(), mp)
+    return dict(calls=len(re.findall(r'custom_call_target="mosaic_gpu[^"]*"', hlo)), smem=smem)
 
 
 # Shared memory per CTA (KiB), gate/up and down, as Mosaic GPU counts it (scratch and barriers), per stage count:
@@ -158,3 +204,25 @@ def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch
         pytest.skip("ptxas printed no report (MOSAIC_GPU_DUMP_PTXAS read before this test?); spills unchecked")
     assert len(used) == 2 and "sm_90a" in ptxas
     assert re.findall(r"(\d+) bytes spill stores", ptxas) == ["0", "0"], ptxas
+
+
+# tcgen05 for B200 / B300 (picked by the target: Tiles.mma None): two Mosaic GPU kernels at sm_100a / sm_103a,
+# no spills. At one token gate/up splits K (8 blocks x 2 column tiles of 128). Each compile runs in a process of
+# its own: Mosaic GPU (jax 0.12.0.1) hands ptxas the architecture of the first Mosaic kernel a process compiles,
+# so after a B200 kernel a B300 one fails in ptxas ("SM version specified by .target is higher than default"),
+# and after a B300 kernel an H200 one does (no wgmma on sm_103a); the rest of this suite compiles for H200.
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+@pytest.mark.parametrize("target,tokens", [("b200", 1)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("b200", 8), ("b200", 64), ("b300", 8)]])
+def test_tcgen05_compiles_for_blackwell_k26_slice(target, tokens):
+    code = ("import json, test_int4_moe_mosaic as t; "
+            f"print('RESULT', json.dumps(t.blackwell_compile({target!r}, {tokens})))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_PTXAS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    got = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert got["calls"] == 2 and max(got["smem"]) <= 227 * 1024, got
+    assert len(re.findall(r"Used (\d+) registers", out)) == 2 and {"b200": "sm_100a", "b300": "sm_103a"}[target] in out
+    assert re.findall(r"(\d+) bytes spill stores", out) == ["0", "0"], out[-3000:]

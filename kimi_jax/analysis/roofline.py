@@ -491,8 +491,8 @@ class DesignOverhead:
     5443, 85). ``Runtime(split_k=False)`` compiles the same round to 1918 ops (27.4 per layer, 18.3 per drafter
     layer); it is opt-in, so the default's counts stand here. The AR step (2463 ops, 40.4 per layer, 8
     submissions) is not counted separately: width 1 takes the DDTree round's per-layer count. B300 runs the Triton
-    kernels (28.7 per layer) but takes the H200 round's counts here: no full-size B300 round has been counted. The per-op tail (2 us under CUDA graphs) and the per-submission
-    host cost (5 us) are assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run
+    kernels (28.7 per layer) but takes the H200 round's counts here: no full-size B300 round has been counted. The
+    per-op tail (2 us under CUDA graphs) and the per-submission host cost (5 us) are assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run
     them here.
     """
     ops_per_layer: float = 29.7

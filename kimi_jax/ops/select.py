@@ -2,14 +2,15 @@
 
 ``impl`` (``Runtime.moe_impl`` / ``Runtime.attn_impl``, and the ops' own ``impl=``):
 
-* ``"auto"`` (the default): the GPU kernels in a program lowered for a GPU (cuda), by the table below (the INT4
-  MoE on Mosaic GPU where the target is Hopper, Triton elsewhere), the XLA path in a program lowered for a CPU or
-  a TPU;
+* ``"auto"`` (the default): the GPU kernels in a program lowered for a GPU (cuda), by the table below (Mosaic
+  GPU where the target is Hopper and the call suits the kernel, Triton elsewhere), the XLA path in a program
+  lowered for a CPU or a TPU;
 * ``"pallas"``: the Pallas Triton kernels on every GPU; on other platforms the same kernels in Pallas interpret
   mode (their own code run as plain HLO, which is how the tests check them on a CPU);
 * ``"xla"``: the XLA path everywhere;
-* ``"mosaic"`` (both ops): the Mosaic GPU kernels, the tree attention's included, in a program lowered for a
-  Hopper GPU, Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere (``mosaic_lowering``).
+* ``"mosaic"`` (both ops): the Mosaic GPU kernels in a program lowered for a GPU (where they compile: Hopper),
+  Pallas' GPU interpret mode with ``interpret=True``, refused elsewhere (``mosaic_lowering``); a call they do not
+  take is an error, not a fallback.
 
 ``interpret=True`` runs the Pallas kernel in interpret mode on every platform (a caller who asks for it).
 
@@ -28,33 +29,41 @@ target                 INT4 MoE             tree attention      router          
 =====================  ===================  ==================  ==============  ==================================
 CPU, TPU               XLA                  XLA                 XLA             no Pallas GPU kernels there; TPU
                                                                                 kernels not written
-H100, H200 (sm_90a)    **Mosaic GPU**       Pallas Triton       Pallas Triton   MoE: TMA + wgmma, the supported
-                       (placement: Triton)                      (2 kernels)     backend; one launch more a MoE
-                                                                                layer than Triton's (the row
-                                                                                gather: TMA copies boxes, not
-                                                                                rows). Attention: the Mosaic
-                                                                                kernel (impl="mosaic") costs 4
-                                                                                launches a layer more (tree rows,
-                                                                                padded q and mask, merge on XLA)
-B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       Pallas Triton   the Mosaic kernels use wgmma,
-                                                                                which sm_100a lacks (ptxas
-                                                                                refuses; tcgen05 needed)
+H100, H200 (sm_90a)    **Mosaic GPU**       **Mosaic GPU**      Pallas Triton   TMA + wgmma, the backend JAX
+                       (placement: Triton)  (merge: Triton)     (2 kernels)     supports there; at launch parity
+                                                                                but for one op a MoE layer (the
+                                                                                routed rows' gather: TMA copies
+                                                                                boxes, not rows): 393 against 391
+                                                                                ops for the 3-layer K2.6 round
+B200, B300 (sm_100a)   Pallas Triton        Pallas Triton       Pallas Triton   no wgmma on sm_100a. The MoE's
+                       (Mosaic tcgen05:                                         tcgen05 version compiles spill-
+                       impl="mosaic")                                           free, but Mosaic GPU hands ptxas
+                                                                                the arch of the first kernel a
+                                                                                process compiles, so "auto" on
+                                                                                B200 would break any process
+                                                                                that also compiles for H200 (the
+                                                                                sweep, the tests). Attention:
+                                                                                no tcgen05 version
 RTX PRO 6000 (sm_120)  Pallas Triton        Pallas Triton       Pallas Triton   no wgmma, so Mosaic GPU's Hopper
                        (8 warps)            (16-query blocks)   (128-input      path cannot serve it; own tiles
                                                                 chunks)         (``TILES``) against spills and smem
 =====================  ===================  ==================  ==============  ==================================
 
-Where the Mosaic MoE does not serve a call on Hopper, "auto" takes Triton's: 32-bit activations (wgmma takes
-16-bit ones) or an explicit ``block_m``. Both GPU MoE paths place their (token, slot) pairs by expert with one
+Where a Mosaic kernel does not take a call on Hopper, "auto" takes Triton's: 32-bit activations or caches (wgmma
+takes 16-bit ones), widths that are not whole tiles (``int4_moe/mosaic_gpu.takes``,
+``tree_attention/mosaic_gpu.check_cache``: pages of whole 64-key blocks), explicit Triton tiles (``block_m``,
+``block_q``/``block_k``). The Mosaic attention merges its split-K partials with Triton's merge kernel. Both GPU
+MoE paths place their (token, slot) pairs by expert with one
 Triton kernel up to 512 pairs (``int4_moe/pallas_triton.place``), on XLA above (``routing.py``); Mosaic GPU has
 no placement or router kernel of ours. The router (``kimi_jax/ops/router``, impl = ``Runtime.moe_impl``,
 "mosaic" meaning its Triton kernels) takes its kernels only with one expert group (K2.6) and shapes they tile;
 group-limited routing and other shapes stay on XLA (``model.moe.route``). Its kernels compile spill-free for
 H100, H200, B200 and RTX PRO 6000 (tests/test_router_kernel.py); B300 is not compiled.
 
-The Triton backend is deprecated since JAX 0.11. When it goes, Hopper keeps its Mosaic MoE and needs the Mosaic
-attention (and XLA's router and placement, ~7 launches a MoE layer more); Blackwell needs tcgen05 kernels
-(docs/mosaic_gpu.md).
+The Triton backend is deprecated since JAX 0.11. When it goes, Hopper keeps both Mosaic kernels and needs the
+router, placement and merge on XLA (~8 launches a MoE layer and 1 a layer more) or in Mosaic GPU; Blackwell
+needs "auto" to take the MoE's tcgen05 kernels (once Mosaic GPU compiles for several architectures in one
+process) and a tcgen05 tree attention (docs/mosaic_gpu.md).
 """
 
 from __future__ import annotations
@@ -120,19 +129,23 @@ def hopper(device_kind: str | None) -> bool:
     return bool(re.search(r"\bG?H(100|200|800|20)\b", device_kind or ""))
 
 
+def blackwell(device_kind: str | None) -> bool:
+    """Whether ``device_kind`` is an sm_100 GPU with tcgen05 (B200, B300, GB200, GB300; not the RTX PRO 6000
+    Blackwell, sm_120, which has neither wgmma nor tcgen05)."""
+    return bool(re.search(r"\bG?B(200|300)\b", device_kind or ""))
+
+
 def dispatch(operands: tuple, *, impl: str, interpret: bool, pallas: Callable, xla: Callable,
              mosaic: Callable | None = None):
     """``pallas(*operands, interpret=bool)``, ``mosaic(*operands)`` or ``xla(*operands)``, as ``impl`` says for the
-    lowering platform (module doc). ``mosaic``: the Mosaic GPU kernel that "auto" runs where the program is
-    lowered for a Hopper GPU (the caller passes it only for calls it serves). Operands are pytrees; every
-    implementation must return the same shapes and dtypes."""
+    lowering platform (module doc). ``mosaic``: the Mosaic GPU kernel that "auto" runs in a cuda lowering; the
+    caller passes it only where it serves the GPU being lowered for and the call (the ops' ``mosaic_serves``).
+    Operands are pytrees; every implementation must return the same shapes and dtypes."""
     check_impl(impl)
     if impl == "xla":
         return xla(*operands)
     if interpret:
         return pallas(*operands, interpret=True)
     elsewhere = xla if impl == "auto" else functools.partial(pallas, interpret=True)
-    # read at trace time; a program lowered for a CPU has no GPU here, so it never traces a Mosaic kernel
-    cuda = mosaic if impl == "auto" and mosaic is not None and hopper(lowering_gpu()) else \
-        functools.partial(pallas, interpret=False)
+    cuda = mosaic if impl == "auto" and mosaic is not None else functools.partial(pallas, interpret=False)
     return jax.lax.platform_dependent(*operands, cuda=cuda, default=elsewhere)

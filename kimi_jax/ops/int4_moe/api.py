@@ -28,9 +28,11 @@ from kimi_jax.ops.select import check_impl, dispatch, hopper, lowering_gpu, mosa
 
 
 def mosaic_serves(dtype, experts: Int4Experts, block_m: int | None) -> bool:
-    """Whether "auto" takes the Mosaic GPU kernels: the program is lowered for a Hopper GPU (anywhere else
-    Mosaic GPU is not even imported), the kernels take the dims (``mosaic_gpu.takes``), and no ``block_m`` was
-    given (it means Triton's sizes)."""
+    """Whether "auto" takes the Mosaic GPU kernels: the program is lowered for a Hopper GPU (anywhere else Mosaic
+    GPU is not even imported; a program lowered for a CPU has no GPU here), the kernels take the dims
+    (``mosaic_gpu.takes``), and no ``block_m`` was given (it means Triton's sizes). B200/B300 (the tcgen05
+    kernels) only through impl="mosaic": a process that compiles Mosaic GPU kernels for two architectures fails
+    in ptxas (``kimi_jax/ops/select.py``)."""
     if not hopper(lowering_gpu()) or block_m is not None:
         return False
     from kimi_jax.ops.int4_moe.mosaic_gpu import takes

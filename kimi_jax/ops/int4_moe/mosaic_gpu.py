@@ -1,4 +1,4 @@
-"""The INT4 routed experts as two grouped Mosaic GPU kernels (``plgpu.kernel``, Hopper wgmma), first version.
+"""The INT4 routed experts as two grouped Mosaic GPU kernels (``plgpu.kernel``: Hopper wgmma, Blackwell tcgen05).
 
 ``experts_mosaic(xs, block_expert, ex, interpret)`` takes the rows gathered by ``routing.gather_rows`` (``nb``
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
@@ -46,6 +46,12 @@ mean rows per touched expert, in [8, 64]):
   ``[rows, N]`` smem tile, so it leaves the kernel as down reads it; down's output and split-K partial sums
   leave ``[N, rows]``, and their transposes fuse into ``combine``'s gather and the split sum. At K2.6 decode this cuts
   the gathered and written rows 8-fold (bm 8 instead of 64) and the x tiles in smem from 32 to 4 KiB a stage.
+
+Blackwell (B200/B300, sm_100a/sm_103a, ``Tiles.mma = "tcgen05"``, by default where the kernel is lowered for
+one): wgmma does not exist there. The same kernel issues each group's two MMAs with ``tcgen05_mma`` into a TMEM
+accumulator ``[128, 2 bm]``, commits them to one tensor-core barrier, waits, and reads the partial sums from TMEM
+into registers for the scale multiply. Always swapped with ``TC_M = 128`` weight columns a tile (tcgen05's M for
+one CTA: M = 64 takes a CTA pair on Mosaic GPU) and row blocks of 16 or more (TMEM columns come in 16s).
 """
 
 from __future__ import annotations
@@ -62,9 +68,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.numerics import F32
-from kimi_jax.ops.select import mosaic_interpret_params
+from kimi_jax.ops.select import blackwell, lowering_gpu, mosaic_interpret_params
 
 WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
+TC_M = 128               # tcgen05's M for one CTA (Blackwell): the weight columns a tile, always swapped (M = 64
+#                          takes a CTA pair on Mosaic GPU); its N, the block's rows, a multiple of 16 (TMEM columns)
+TC_MIN_ROWS = 16
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
 TARGET_CTAS = 132        # H200's SMs: gate/up splits K until its grid has at least this many CTAs
 MIN_CHUNKS_PER_SPLIT = 4
@@ -83,6 +92,14 @@ class Tiles:
     block_m: int | None = None
     # K splits of the gate/up kernel (a divisor of D / 256); None: gate_up_splits picks
     splits_gate_up: int | None = None
+    # "wgmma" (Hopper) or "tcgen05" (Blackwell: TMEM accumulators); None: the GPU the kernel is lowered for
+    # picks (select.blackwell), wgmma where there is none (interpret mode)
+    mma: str | None = None
+
+    def tcgen05(self) -> bool:
+        if self.mma not in (None, "wgmma", "tcgen05"):
+            raise ValueError(f'Tiles.mma must be "wgmma", "tcgen05" or None, got {self.mma!r}')
+        return self.mma == "tcgen05" if self.mma else blackwell(lowering_gpu())
 
 
 def _swizzled(minor_elems: int, dtype) -> tuple:
@@ -106,7 +123,7 @@ def _unpack(words, i, dtype):
 
 
 def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages: int, out_dtype, epilogue,
-                    interpret, splits: int = 1):
+                    interpret, splits: int = 1, tc: bool = False):
     """One grouped projection over two ``[K, bn]`` weight tiles per CTA, stacked into one ``[64, bn]`` word tile.
 
     ``w`` int32 ``[E, M, K/8, N]``, ``s`` bf16 ``[E, M, K/32, N]``. ``pair_cols=False`` (gate/up, ``M = 2``):
@@ -126,8 +143,11 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     n_mats = w.shape[1]
     n_chunks = k_rows // WORD_ROWS // splits     # per split
     cta_n = 2 * bn if pair_cols else bn
-    swap = bm < WGMMA_M      # the tokens as wgmma's N, the weight columns as its M (module doc)
-    if (bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M:
+    swap = bm < WGMMA_M or tc      # the tokens as the MMA's N, the weight columns as its M (module doc)
+    if tc and (bm % TC_MIN_ROWS or bn != TC_M):
+        raise ValueError(f"the tcgen05 kernel takes row blocks of a multiple of {TC_MIN_ROWS} rows and {TC_M}-column "
+                         f"weight tiles; got {bm}, {bn}")
+    if not tc and ((bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M):
         raise ValueError(f"the Mosaic GPU kernel takes row blocks of {WGMMA_M} rows and {GROUP_SIZE}-column "
                          f"weight tiles, or fewer rows (a multiple of 8) and {WGMMA_M}-column tiles; got {bm}, {bn}")
     if n % cta_n or xs.shape[1] != splits * n_chunks * CHUNK or (splits > 1 and epilogue is not None):
@@ -143,7 +163,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     out_t = swap and epilogue is not None
     o_shape = acc_shape[::-1] if out_t else acc_shape
 
-    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars):
+    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars, *tmem):
         b = lax.axis_index("b")
         j = lax.axis_index("n")
         c0 = lax.axis_index("k") * n_chunks     # this split's first chunk
@@ -186,6 +206,20 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
                     q_smem[...] = _unpack(words, i, x_dtype)
                     plgpu.commit_smem()
                     accs = list(accs)
+                    if tc:      # both tiles' MMAs into TMEM, one commit for the pair, then the scaled sums
+                        acc_tmem, mma_bar = tmem
+                        for m in range(2):
+                            q = q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)]
+                            plgpu.tcgen05_mma(acc_tmem.at[:, pl.ds(m * bm, bm)], q.transpose((1, 0)),
+                                              x_smem.at[slot, i].transpose((1, 0)), mma_bar if m else None,
+                                              accumulate=False)
+                        plgpu.barrier_wait(mma_bar)
+                        for m in range(2):
+                            part = plgpu.async_load_tmem(acc_tmem.at[:, pl.ds(m * bm, bm)])
+                            scale = s_smem[slot, m, i].astype(F32)
+                            accs[m] = accs[m] + part * lax.broadcast_in_dim(scale, acc_shape, [0])
+                        plgpu.wait_load_tmem()      # the next group's MMAs overwrite what was read
+                        return tuple(accs)
                     for m in range(2):
                         def mma(acc_ref, m=m):
                             x, q = x_smem.at[slot, i], q_smem.at[pl.ds(m * GROUP_SIZE, GROUP_SIZE)]
@@ -222,8 +256,8 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     n_copies = GROUPS + 4
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((splits, width, xs.shape[0]) if swap and not out_t else (splits, xs.shape[0], width),
-                                      out_dtype),
+        out_type=jax.ShapeDtypeStruct(
+            (splits, width, xs.shape[0]) if swap and not out_t else (splits, xs.shape[0], width), out_dtype),
         grid=(nb, n // cta_n, splits),
         grid_names=("b", "n", "k"),
         scratch_types=[
@@ -234,7 +268,8 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
             plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
             plgpu.SMEM((n_out, *o_shape), out_dtype, transforms=_swizzled(o_shape[1], out_dtype)),
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-        ],
+        ] + ([plgpu.TMEM((bn, max(2 * bm, 32)), F32),       # TMEM is allocated 32 columns at the least
+              plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if tc else []),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_interpret_params(interpret),
     )
@@ -255,23 +290,26 @@ def gate_up_splits(ctas: int, n_chunks: int) -> int:
 
 def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, interpret=False,
                    tiles: Tiles | None = None) -> jax.Array:
-    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks (64 rows, or fewer: swapped); ``interpret``:
-    True (or an ``InterpretGPUParams``) runs the kernels in Pallas' GPU interpret mode on the CPU."""
+    """Grouped INT4 SwiGLU experts over ``routing.py``'s row blocks (64 rows, or fewer: swapped; tcgen05: a
+    multiple of 16 rows, always swapped); ``interpret``: True (or an ``InterpretGPUParams``) runs the kernels in
+    Pallas' GPU interpret mode on the CPU."""
     tiles = tiles or Tiles()
+    tc = tiles.tcgen05()
     f_rows, d = ex.w2.shape[-2:]
     f = ex.w13.shape[-1]
     if xs.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma), got {xs.dtype}")
+        raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma, tcgen05), got {xs.dtype}")
     nb = block_expert.shape[0]
-    swap = xs.shape[0] // nb < WGMMA_M
+    swap = xs.shape[0] // nb < WGMMA_M or tc
     # swapped, gate/up's partial sums and down's output come [N, rows]: transposed here (the transposes fuse
     # into the split sum and into combine's gather); gate/up's h comes [rows, F] (``_grouped_kernel``)
     transposed = (lambda a: a.T) if swap else (lambda a: a)
-    bn = WGMMA_M if swap else tiles.block_n_gate_up
+    bn_gate_up, bn_down = (TC_M, TC_M) if tc else (WGMMA_M, WGMMA_M) if swap else \
+        (tiles.block_n_gate_up, tiles.block_n_down)
     n_chunks = ex.w13.shape[-2] // WORD_ROWS
-    splits = tiles.splits_gate_up or gate_up_splits(nb * (f // bn), n_chunks)
-    gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn,
-                                stages=tiles.stages, interpret=interpret)
+    splits = tiles.splits_gate_up or gate_up_splits(nb * (f // bn_gate_up), n_chunks)
+    gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn_gate_up,
+                                stages=tiles.stages, interpret=interpret, tc=tc)
     if splits == 1:
         h = gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0]
     else:       # float32 partial sums of gate and up, then silu(g) * u here (rows x 2F x splits floats)
@@ -279,12 +317,12 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
         h = _swiglu(g, u).astype(xs.dtype)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
     return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
-                                      bn=WGMMA_M if swap else tiles.block_n_down, stages=tiles.stages,
-                                      out_dtype=F32, epilogue=None, interpret=interpret)[0])
+                                      bn=bn_down, stages=tiles.stages, out_dtype=F32, epilogue=None,
+                                      interpret=interpret, tc=tc)[0])
 
 
 def takes(dtype, d_model: int, d_ff: int) -> bool:
-    """Whether the kernels take a layer of these dims at any row block: 16-bit activations (wgmma) and output
+    """Whether the wgmma kernels take a layer of these dims at any row block: 16-bit activations and output
     widths in whole CTA tiles in both tilings (gate/up: ``F`` in 64-column tiles swapped, 32 at 64 rows; down:
     ``D`` in two 64-column tiles swapped, two 32-column ones at 64 rows). K2.6 at TP-8: D = 7168, F = 256."""
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
@@ -294,16 +332,18 @@ def takes(dtype, d_model: int, d_ff: int) -> bool:
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
                     tiles: Tiles | None = None) -> jax.Array:
     """``api.int4_moe``'s computation through the Mosaic GPU kernels: routing blocks of ``tiles.block_m`` rows,
-    by default the next power of two of the mean rows per touched expert in [8, 64] (``routing.default_block_m``;
-    under 64 the kernels run swapped). The pairs are placed as the Triton path places them
-    (``pallas_triton.place``: its placement kernel up to 512 pairs, XLA above): Mosaic GPU has no such kernel
-    of ours, and four XLA kernels in its place cost launches at every MoE layer."""
+    by default the next power of two of the mean rows per touched expert in [8, 64] ([16, 64] for tcgen05;
+    ``routing.default_block_m``; under 64, and always with tcgen05, the kernels run swapped). The pairs are
+    placed as the Triton path places them (``pallas_triton.place``: its placement kernel up to 512 pairs, XLA
+    above): Mosaic GPU has no such kernel of ours, and four XLA kernels in its place cost launches at every MoE
+    layer."""
     from kimi_jax.ops.int4_moe.pallas_triton import place
     from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows
 
     tiles = tiles or Tiles()
     t, k = topk_idx.shape
-    bm = tiles.block_m or default_block_m(t * k, experts.num_experts, 8, WGMMA_M)
+    lo = TC_MIN_ROWS if tiles.tcgen05() else 8
+    bm = tiles.block_m or default_block_m(t * k, experts.num_experts, lo, WGMMA_M)
     routing = place(topk_idx, experts.num_experts, bm, interpret)
     xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
     out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
