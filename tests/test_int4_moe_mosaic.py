@@ -30,15 +30,18 @@ mosaic = jax.jit(lambda x, i, w, ex, tiles: int4_moe_mosaic(x, i, w, ex, interpr
 triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interpret=True))
 
 
-# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70
-@pytest.mark.parametrize("block_m", [None, 64])
-@pytest.mark.parametrize("stages", [pytest.param(1, marks=pytest.mark.slow), Tiles().stages])
-@pytest.mark.parametrize("t,k,kind", [
-    (13, 2, "random"),       # ragged groups
-    (1, 4, "random"),        # decode: one token, one real row per block
-    (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: two 32-row blocks, or one 64-row block
-    pytest.param(70, 2, "one_expert", marks=pytest.mark.slow),   # 70 rows on expert 3: two blocks of one expert
-])
+# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70. The fast
+# run keeps one swapped and one 64-row case; the rest of the matrix is slow.
+CASES = [(13, 2, "random"),       # ragged groups
+         (1, 4, "random"),        # decode: one token, one real row per block
+         (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: two 32-row blocks, or one 64-row block
+         (70, 2, "one_expert")]   # 70 rows on expert 3: two blocks of one expert
+FAST = {(13, Tiles().stages, None), (37, Tiles().stages, 64)}
+
+
+@pytest.mark.parametrize("t,k,kind,stages,block_m", [
+    pytest.param(*case, stages, bm, marks=() if (case[0], stages, bm) in FAST else pytest.mark.slow)
+    for case in CASES for stages in (1, Tiles().stages) for bm in (None, 64)])
 def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(t + k, t, k, e=E, kind=kind)
@@ -77,8 +80,8 @@ def test_mosaic_gate_up_split_k(block_m, splits):
 
 # tcgen05 (Blackwell): always swapped, 128 weight columns a tile, row blocks of 16 or more (default 16 here);
 # GPU interpret mode simulates TMEM and the tensor-core barrier. F = 128 is one gate/up tile, D = 256 one down CTA.
-@pytest.mark.parametrize("t,k,block_m,splits", [(13, 2, None, None), (1, 4, None, None),
-                                                pytest.param(37, 2, 64, None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("t,k,block_m,splits", [(13, 2, None, None)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [(1, 4, None, None), (37, 2, 64, None)]])
 def test_tcgen05_interpret_matches_the_triton_kernel(t, k, block_m, splits):
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(t + k, t, k, e=E, kind="random")

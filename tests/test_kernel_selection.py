@@ -47,7 +47,8 @@ def _generate_program(impl: str):
 
 @pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("impl,gpu_kernels", [("auto", True), ("pallas", True), ("xla", False)])
+@pytest.mark.parametrize("impl,gpu_kernels", [("auto", True)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("pallas", True), ("xla", False)]])
 def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
     lowered = _generate_program(impl)
     for_cpu = lowered(None).as_text()
@@ -119,8 +120,9 @@ def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
 
 
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("target,impl", [("h200", "auto"), ("h100", "auto"), ("b200", "auto"), ("rtx_pro_6000", "auto"),
-                                         ("h200", "mosaic"), ("h200", "pallas")])
+@pytest.mark.parametrize("target,impl", [("h200", "auto"), ("rtx_pro_6000", "auto")] + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in [("h100", "auto"), ("b200", "auto"), ("h200", "mosaic"), ("h200", "pallas")]])
 def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
     """ops/select.py's table, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
     placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge): Hopper's
