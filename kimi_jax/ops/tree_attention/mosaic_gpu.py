@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 from kimi_jax.ops.tree_attention.pallas_triton import merge_pallas
-from kimi_jax.ops.tree_attention.xla import tree_rows
+from kimi_jax.ops.tree_attention.xla import tree_rows, tree_slots
 from kimi_jax.ops.select import mosaic_interpret_params
 
 BLOCK_Q = 64            # wgmma M of one warpgroup
@@ -310,11 +310,8 @@ def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     # node k); read in place from a contiguous cache, from the slot lengths - off below them that is a multiple
     # of TREE_ALIGN (Mosaic GPU's TMA into 8-row tiles needs that start), so column k is node k - off.
     lengths = lengths.astype(jnp.int32)
-    off = lengths % TREE_ALIGN if not page else jnp.zeros_like(lengths)
     tp = _cdiv(t + (0 if page else TREE_ALIGN - 1), BLOCK_K) * BLOCK_K
-    node = jnp.arange(tp, dtype=jnp.int32)[None, :] - off[:, None]                                # [b, tp]
-    slot = lengths[:, None] + node
-    ok = (node >= 0) & (node < t) & (slot < n_slots) & (slot >= 0)
+    node, _, ok = tree_slots(lengths, t, tp, n_slots, None if page else lengths % TREE_ALIGN)      # [b, tp]
     tree_kv = None
     if page:
         kv_layer = lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)

@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
 from kimi_jax.ops.select import lowering_tiles
-from kimi_jax.ops.tree_attention.xla import tree_rows
+from kimi_jax.ops.tree_attention.xla import tree_rows, tree_slots
 
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
 
@@ -235,8 +235,7 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     tp = _cdiv(t, TREE_BLOCK) * TREE_BLOCK
     inplace = not page and n_slots >= TREE_BLOCK
     if inplace:
-        slot = lengths[:, None] + jnp.arange(tp, dtype=jnp.int32)[None, :]
-        ok = (jnp.arange(tp)[None, :] < t) & (slot < n_slots) & (slot >= 0)
+        _, _, ok = tree_slots(lengths, t, tp, n_slots)
         tree_kv = None
     else:
         tree_kv, ok = tree_rows(kv_layer, page_table, lengths, t, tp, n_slots)

@@ -18,12 +18,22 @@ from kimi_jax.cache import gather
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 
 
+def tree_slots(lengths, t: int, width: int, n_slots: int, offset=None):
+    """Where the kernels' ``width`` tree key columns sit: column k is tree node ``k - offset`` (offset [b]; None:
+    node k) at logical slot ``lengths + node``. Returns (node, slot, ok), each [b, width]; ok where the node
+    exists (0 <= node < t) and its slot is one of the n_slots logical slots."""
+    node = jnp.arange(width, dtype=jnp.int32)[None, :]
+    if offset is not None:
+        node = node - offset[:, None]
+    slot = lengths[:, None] + node
+    return node, slot, (node >= 0) & (node < t) & (slot < n_slots) & (slot >= 0)
+
+
 def tree_rows(kv, page_table, lengths, t: int, width: int, n_slots: int):
     """The rows at logical slots lengths + j (j < width) [b, width, c] of one layer's storage kv (contiguous
     [b, s, c], or a page pool with page_table; kimi_jax.cache), zeroed where j >= t or past the n_slots logical
     slots, and that validity [b, width]."""
-    slot = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    ok = (jnp.arange(width)[None, :] < t) & (slot < n_slots) & (slot >= 0)
+    _, slot, ok = tree_slots(lengths, t, width, n_slots)
     rows = gather(kv, page_table, slot)
     return jnp.where(ok[:, :, None], rows, jnp.zeros((), kv.dtype)), ok
 
