@@ -1,6 +1,7 @@
-"""How every command ends: its own status, one line on stderr and status 1 for input it cannot use, or one line
-and status 130 on Ctrl-C (SIGINT), within milliseconds even inside an XLA compile. Neither reaches the user as a
-traceback.
+"""How every command starts and ends. It starts on the CPU alone when no accelerator is attached and the user
+chose no JAX platform (kimi_jax.cli.platform: no plugin tracebacks before our output). It ends with its own status,
+one line on stderr and status 1 for input it cannot use, or one line and status 130 on Ctrl-C (SIGINT), within
+milliseconds even inside an XLA compile. Neither reaches the user as a traceback.
 
 Interrupted work leaves nothing half-written: checkpoints appear by atomic renames only, conversion resumes from
 its last complete layer and target training from its last saved state (rerun the same command).
@@ -15,6 +16,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+
+from kimi_jax.cli.platform import choose_platforms
 
 # (module, class) of the exceptions that mean bad input (a path, a file, a flag, a config): each message already
 # names the fix.
@@ -35,6 +38,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def run_command(prog: str, body: Callable[[], int | None], extra_errors: tuple = ()) -> int:
     """body() -> its status (None = 0), with bad input and Ctrl-C turned into one line each."""
+    choose_platforms()
     # orbax logs its own warnings about the files it could not read through absl; our one line says it all.
     logging.getLogger("absl").setLevel(logging.ERROR)
     _commands.append(prog)
