@@ -212,13 +212,10 @@ def test_ignore_list_semantics():
     assert hf.is_ignored("lm_head", ["lm_head"]) and not hf.is_ignored("language_model.lm_head", ["lm_head"])
 
 
-def test_cli_error_is_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    r = subprocess.run([sys.executable, "-m", "kimi_jax.convert", "--hf", str(tmp_path / "nope"),
-                        "--out", str(tmp_path / "o"), "--quiet"], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 1
-    lines = r.stderr.strip().splitlines()
+def test_cli_error_is_one_line(tmp_path, capfd):
+    from kimi_jax.cli.convert import main
+    assert main(["--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kimi_jax.convert: error:") and "config.json" in lines[0]
 
 

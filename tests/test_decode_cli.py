@@ -16,7 +16,8 @@ import pytest
 from conftest import FIXTURES, default_sigint
 
 import kimi_jax
-from kimi_jax.cli.decode import _stats_line
+from kimi_jax.cli.decode import DEFAULT_PROMPT, _stats_line
+from kimi_jax.cli.platform import accelerator_attached
 from kimi_jax.cli.exits import run_command
 
 ROOT = FIXTURES.parent.parent
@@ -24,11 +25,22 @@ TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "draft
 needs_default = pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 
 
-def decode(*args, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = ""                     # one CPU device, like a user's shell
-    return subprocess.run([sys.executable, "-m", "kimi_jax.decode", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+@pytest.fixture
+def decode(capfd):
+    """`python -m kimi_jax.decode ARGS` in this process: main(argv), its status (argparse's exit included) and what
+    it wrote to the process's stdout and stderr (file descriptors, so output from C++ counts too). The process
+    itself is tested by test_cli_process_on_a_machine_without_gpu and the Ctrl-C tests."""
+    from kimi_jax.cli.decode import main
+
+    def run(*args):
+        capfd.readouterr()
+        try:
+            status = main(list(args))
+        except SystemExit as e:
+            status = e.code
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["kimi_jax.decode", *args], status, out, err)
+    return run
 
 
 def one_line_error(res, *words):
@@ -41,7 +53,7 @@ def one_line_error(res, *words):
 
 @needs_default
 @pytest.mark.slow
-def test_default_run_json():
+def test_default_run_json(decode):
     res = decode("--max-new-tokens", "24", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -52,22 +64,66 @@ def test_default_run_json():
 
 @needs_default
 @pytest.mark.slow
-def test_stream_prints_text_then_stats():
+def test_stream_prints_text_then_stats(decode):
     res = decode("--prompt", "import os\n", "--max-new-tokens", "16", "--stream", "--method", "dflash")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("import os\n") and len(res.stdout) > len("import os\n")
     assert "tok/s" in res.stderr and "dispatches" in res.stderr
 
 
-def test_missing_checkpoint():
+def test_missing_checkpoint(decode):
     one_line_error(decode("--checkpoint", "/nonexistent/ck", "--method", "ar"), "does not exist")
+
+
+def cli_process(*args, timeout=300):
+    """`python -m kimi_jax.decode ARGS` as a user's shell runs it: no JAX_PLATFORMS, one CPU device."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return subprocess.run([sys.executable, "-m", "kimi_jax.decode", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+no_accelerator = pytest.mark.skipif(accelerator_attached(), reason="about machines without an accelerator")
+
+
+@no_accelerator
+def test_cli_process_without_an_accelerator_is_one_line():
+    """The test extras install the CUDA plugin and libtpu; with JAX_PLATFORMS unset, neither may print before our
+    one line (kimi_jax.cli.platform)."""
+    res = cli_process("--checkpoint", "/nonexistent/ck")
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr == "kimi_jax.decode: error: checkpoint directory '/nonexistent/ck' does not exist\n", res.stderr
+
+
+@no_accelerator
+@needs_default
+@pytest.mark.slow
+def test_cli_process_decodes_the_embedded_default():
+    """The smoke test of the real process: prompt + text on stdout, the stats line alone on stderr."""
+    res = cli_process("--max-new-tokens", "8")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(DEFAULT_PROMPT) and len(res.stdout) > len(DEFAULT_PROMPT) + 1
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[8 new tokens, ") and lines[0].endswith("]"), res.stderr
+
+
+def test_choose_platforms(tmp_path):
+    from kimi_jax.cli import platform
+    (tmp_path / "nvidia0").touch()
+    assert platform.accelerator_attached((str(tmp_path / "nvidia[0-9]*"),))
+    assert not platform.accelerator_attached((str(tmp_path / "kfd"), str(tmp_path / "accel[0-9]*")))
+    env = {}
+    platform.choose_platforms(env)
+    assert env == ({} if platform.accelerator_attached() else {"JAX_PLATFORMS": "cpu"})
+    env = {"JAX_PLATFORMS": ""}                  # the user's choice, even an empty one, is kept
+    platform.choose_platforms(env)
+    assert env == {"JAX_PLATFORMS": ""}
 
 
 @pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["budget", ">= 0"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
                                          (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"]),
                                          (["--seed", "-1"], ["seed", "uint32", "got -1"]),
                                          (["--seed", "4294967296"], ["seed", "[0, 4294967295]", "got 4294967296"])])
-def test_bad_flag_values(flags, words):
+def test_bad_flag_values(flags, words, decode):
     one_line_error(decode(*flags), *words)
 
 
@@ -96,7 +152,7 @@ def _prompt_file(kind, tmp_path):
     ("missing", ["does not exist"]), ("a socket", ["cannot be read: No such device or address"]),
     pytest.param("unreadable", ["cannot be read: Permission denied"],
                  marks=pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file"))])
-def test_bad_prompt_file_is_one_line_naming_it(tmp_path, kind, words):
+def test_bad_prompt_file_is_one_line_naming_it(tmp_path, kind, words, decode):
     path = _prompt_file(kind, tmp_path)
     one_line_error(decode("--prompt-file", path), f"prompt file {path!r}", *words)
 
@@ -128,7 +184,7 @@ def test_stats_line(extra, line):
 
 
 @needs_default
-def test_drafter_that_does_not_fit(tmp_path):
+def test_drafter_that_does_not_fit(tmp_path, decode):
     cfg = json.loads((DRAFTER / "drafter_config.json").read_text())
     bad = tmp_path / "drafter"
     bad.mkdir()
@@ -138,14 +194,14 @@ def test_drafter_that_does_not_fit(tmp_path):
 
 
 @needs_default
-def test_prompt_longer_than_context(tmp_path):
+def test_prompt_longer_than_context(tmp_path, decode):
     long_prompt = tmp_path / "p.py"
     long_prompt.write_text("x = 1\n" * 3000)
     one_line_error(decode("--prompt-file", str(long_prompt), "--max-new-tokens", "4"), "context")
 
 
-def test_mesh_larger_than_the_devices():
-    one_line_error(decode("--mesh", "ep=2", "--method", "ar", "--max-new-tokens", "4"), "needs 2 devices")
+def test_mesh_larger_than_the_devices(decode):
+    one_line_error(decode("--mesh", "ep=16", "--method", "ar", "--max-new-tokens", "4"), "needs 16 devices")
 
 
 # ---- damaged checkpoints and Ctrl-C ----------------------------------------------------------------------------
@@ -246,7 +302,7 @@ def test_restore_leaves_the_process_hooks_as_they_were(tmp_path):
 @needs_default
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):
+def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind, decode):
     copy = tmp_path / "target"
     shutil.copytree(TARGET, copy)
     f = _damage(kind, copy)
@@ -258,7 +314,7 @@ def test_damaged_checkpoint_cli_is_one_line(tmp_path, kind):
 
 @needs_default
 @pytest.mark.slow
-def test_damaged_checkpoint_without_manifest_cli_is_the_note_and_one_error(tmp_path):
+def test_damaged_checkpoint_without_manifest_cli_is_the_note_and_one_error(tmp_path, decode):
     """A checkpoint from before manifests: the one-time note, then orbax's failure as one line, no traceback."""
     copy = tmp_path / "target"
     shutil.copytree(TARGET, copy)
