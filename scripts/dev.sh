@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv (Python >= 3.12), installs kimi_jax, then
 #   bash scripts/dev.sh decode [args...]   runs `python -m kimi_jax.decode` (the embedded default)
 #   bash scripts/dev.sh serve [args...]    runs `python -m kimi_jax.serve` (the OpenAI-compatible server)
-#   bash scripts/dev.sh test [pytest args] runs the whole test suite on the CPU
+#   bash scripts/dev.sh test [pytest args] runs the whole test suite on the CPU (pytest args select, e.g. -m "not slow")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd="${1:-decode}"; shift || true
@@ -42,11 +42,8 @@ case "$cmd" in
   decode) exec .venv/bin/python -m kimi_jax.decode "$@" ;;
   serve)  exec .venv/bin/python -m kimi_jax.serve "$@" ;;
   test)
-    if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
-    # The whole suite: the Mosaic GPU tree-attention tests (GPU interpret mode) in a process of their own. Run
-    # after ~620 other tests in one process they crashed XLA:CPU's compiler (segfault, 2 of 2 clean-clone runs on
-    # 2026-12-06); alone they pass. Cause not found yet: see docs/design.md, "Tests".
-    .venv/bin/python -m pytest --ignore=tests/test_tree_attention_mosaic.py
-    exec .venv/bin/python -m pytest tests/test_tree_attention_mosaic.py ;;
+    # Two pytest-xdist workers (one per core here), whole modules each so module fixtures build once; a later -n
+    # in the arguments wins (-n 0: one process, e.g. for -x or a debugger).
+    exec .venv/bin/python -m pytest -n "${KIMI_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
   *)      echo "usage: bash scripts/dev.sh decode|serve|test [args...]" >&2; exit 2 ;;
 esac

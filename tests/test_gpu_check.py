@@ -24,6 +24,7 @@ def run_check(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow      # ~70 s on the 2-core VM: every section compiles its programs
 def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -98,6 +99,7 @@ def test_refuses_without_gpu():
     assert "no GPU" in proc.stderr and "--tiny" in proc.stderr
 
 
+@pytest.mark.interpret
 @pytest.mark.slow      # ~15 s: interpret-mode Pallas compiles
 def test_kernel_check_catches_a_wrong_kernel(monkeypatch):
     """The numbers are a real check: a Pallas MoE that drops each token's last expert and a Pallas or Mosaic GPU

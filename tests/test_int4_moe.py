@@ -98,6 +98,7 @@ def test_counting_places_pairs_as_sorting_does(bm):
 
 
 # 8: the Mosaic GPU path's decode block; 16 and 64 (Triton's) in the slow run
+@pytest.mark.interpret
 @pytest.mark.parametrize("bm", [8] + [pytest.param(bm, marks=pytest.mark.slow) for bm in (16, 64)])
 def test_placement_kernel_places_pairs_as_sorting_does(bm):
     """The Pallas placement kernel (interpret mode) against the sort: one verify's 136 pairs over K2.6's 384
@@ -119,6 +120,7 @@ def test_placement_kernel_places_pairs_as_sorting_does(bm):
 # --- numerics ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("t,k,kind", [
     (13, 3, "random"),       # ragged groups, 39 rows: not a multiple of the block
     pytest.param(1, 4, "random", marks=pytest.mark.slow),        # decode: one token, most experts empty
@@ -141,6 +143,7 @@ def test_int4_moe_matches_reference(t, k, kind):
         check_close(moe(x, idx, w, ex, impl="pallas", block_m=64), ref)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
     # D = 96 and F = 64 are padded to 256 inside the kernel layout; weights compressed by the package itself
@@ -153,6 +156,7 @@ def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
     check_close(moe(x, idx, w, ex, impl="pallas", block_m=32), ref)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_int4_moe_bf16_activations():
     ex = random_experts(1)
@@ -164,6 +168,7 @@ def test_int4_moe_bf16_activations():
     check_close(moe(x, idx, w, ex, impl="pallas"), ref, rtol=2e-2)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_int4_moe_stacked_layers_scan():
     layers = [random_experts(s) for s in (4, 5)]

@@ -45,6 +45,7 @@ def _generate_program(impl: str):
     return lowered
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("impl,gpu_kernels", [("auto", True)] + [
@@ -58,6 +59,7 @@ def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
     assert (for_gpu.count(TRITON_CALL) >= 3) == gpu_kernels
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
@@ -68,6 +70,7 @@ def test_generate_program_compiles_for_h200_with_gpu_kernels():
     assert compiled.as_text().count(TRITON_CALL) >= 3
 
 
+@pytest.mark.interpret
 def test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla():
     """impl="pallas" lowered for the CPU is the kernel's interpret mode (no Triton call), with the XLA path's
     numbers; impl="auto" on the CPU is the XLA path."""
@@ -119,6 +122,7 @@ def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
     return text.count(TRITON_CALL), text.count(MOSAIC_CALL), layers, moe
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("target,impl", [("h200", "auto"), ("rtx_pro_6000", "auto")] + [
     pytest.param(*case, marks=pytest.mark.slow)
@@ -134,6 +138,7 @@ def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
     assert (triton, mosaic) == expected
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_the_mosaic_k26_round_compiles_for_h200():
@@ -142,6 +147,7 @@ def test_the_mosaic_k26_round_compiles_for_h200():
     assert compiled.as_text().count(MOSAIC_CALL) == 2 * moe + layers
 
 
+@pytest.mark.interpret
 def test_mosaic_outside_a_gpu_lowering_is_refused_with_the_reason():
     from kimi_jax.ops.int4_format import Int4Experts
     rng = np.random.default_rng(0)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 GPU_MISSING = targets.compiler_missing("h200")
 
 
+@pytest.mark.compile
 @pytest.mark.slow     # one ~30 s compile a case on a 2-core CPU
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("impl,experts,round_ops", [("auto", 4, 393), ("pallas", 3, 391)])

@@ -20,7 +20,8 @@ def params():
     return init_params(CFG, jax.random.key(0))
 
 
-@pytest.mark.parametrize("chunk", [64, 100, 128])
+@pytest.mark.parametrize("chunk", [pytest.param(64, marks=pytest.mark.slow), 100,
+                                   pytest.param(128, marks=pytest.mark.slow)])
 def test_chunked_logits_equal_one_shot(params, chunk):
     ids = np.random.default_rng(0).integers(2, 250, (2, 300))
     one_shot = kimi_jax.Model(CFG, params).logits(ids)
@@ -56,16 +57,18 @@ def test_a_16k_prompt_runs_in_chunks_without_quadratic_memory(params):
 
 
 @pytest.mark.slow
-def test_greedy_ddtree_on_a_paged_cache_equals_ar_after_a_16k_prompt(params):
-    """A 16000-token prompt (chunked prefill): DDTree with a random drafter on a paged cache emits plain AR's
-    tokens on the contiguous cache."""
-    prompt = [np.random.default_rng(3).integers(2, 250, 16000).tolist()]
+def test_greedy_ddtree_on_a_paged_cache_equals_ar_after_a_long_prompt(params):
+    """A 4000-token prompt prefilled in 16 chunks into 16 pages: DDTree with a random drafter on the paged cache
+    emits plain AR's tokens on the contiguous cache (prefilled in 4 chunks of the default 1024). What is long about
+    it is the number of chunks and pages; the memory at 16k tokens is the test above, positions past 100k the
+    YaRN test below."""
+    prompt = [np.random.default_rng(3).integers(2, 250, 4000).tolist()]
     dcfg = dflash.DrafterConfig(hidden_size=CFG.hidden_size, num_hidden_layers=1, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=CFG.vocab_size,
                                 block_size=4, mask_token_id=255, target_layer_ids=(0, 2))
     drafter = dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1)))
     want = kimi_jax.Model(CFG, params).generate(prompt, 12, method="ar").tokens
-    paged = kimi_jax.Model(CFG, params, drafter=drafter, runtime=Runtime(page_size=256))
+    paged = kimi_jax.Model(CFG, params, drafter=drafter, runtime=Runtime(page_size=256, prefill_chunk=256))
     got = paged.generate(prompt, 12, method="ddtree", budget=6)
     assert got.tokens == want and got.stats["rounds"] >= 1
 

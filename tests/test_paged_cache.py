@@ -61,6 +61,7 @@ def test_page_table_allocation_and_pool_size():
     np.testing.assert_array_equal(cache.page_table, [[0, n, n, n], [1, 2, 3, n], [n, n, n, n], [4, 5, 6, 7]])
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("t", [1, 5])
 def test_paged_attention_equals_dense_reference(impl, t):
@@ -98,6 +99,7 @@ def test_paged_commit_equals_contiguous_commit():
             np.testing.assert_array_equal(view[i, :n], flat.kv[layer, i, :n])
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_paged_forward_equals_contiguous_prefill_decode_and_tree(impl):

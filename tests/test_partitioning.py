@@ -159,7 +159,7 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     assert kv.sharding.shard_shape(kv.shape)[2] == request.max_len // 8
 
 
-@pytest.mark.parametrize("strategy", ["tp", "dp_attn"])
+@pytest.mark.parametrize("strategy", ["tp", pytest.param("dp_attn", marks=pytest.mark.slow)])
 def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, reference):
     """The Pallas tree-attention kernel under a mesh runs in shard_map on each device's own heads
     (mla._tree_on_local_heads; interpret mode on this CPU): the logits of one device, to rounding."""

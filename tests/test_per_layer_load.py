@@ -67,7 +67,7 @@ def test_per_layer_load_holds_no_stacked_copy(per_layer, stacked):
         type(stacked.compute_params["moe_layers"][0]["moe"]["experts"])
 
 
-@pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 8)])
+@pytest.mark.parametrize("method,budget", [("ar", None), pytest.param("ddtree", 8, marks=pytest.mark.slow)])
 def test_per_layer_greedy_tokens_equal_stacked(per_layer, stacked, method, budget):
     prompts = ["def fib(n):", "import os\nfor"]
     want = stacked.generate(prompts, 16, method=method, budget=budget)
@@ -95,6 +95,7 @@ def test_load_decides_by_own_buffers_for_the_weights_platform(stacked, monkeypat
         kimi_jax.load(str(TARGET), layers="split")
 
 
+@pytest.mark.slow
 def test_hf_per_layer_load_equals_stacked(per_layer, stacked, tmp_path):
     """A float HF fixture, and an INT4 (compressed-tensors) HF export of the per-layer embedded default, which reads
     back per layer equal to the stacked load of the original checkpoint."""

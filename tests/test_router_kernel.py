@@ -41,17 +41,20 @@ def _check(x, w, bias, k, **kw):
     return ids
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("t", [1, 17, 64])
 @pytest.mark.parametrize("d,e,k", [(256, 64, 4), (512, 384, 8)])
 def test_kernel_matches_reference(t, d, e, k):
     _check(*_inputs(t, d, e, seed=t + e), k)
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("norm", [True, False])
 def test_kernel_f32_and_no_renormalisation(norm):
     _check(*_inputs(17, 128, 32, seed=3, dtype=jnp.float32), 8, norm_topk_prob=norm, scaling=1.0)
 
 
+@pytest.mark.interpret
 def test_ties_go_to_the_lowest_id():
     """Zero rows score 0.5 everywhere, so the bias alone chooses, and it repeats across the column blocks; copied
     router columns tie exactly. The kernel's order must be jax.lax.top_k's (the lowest id first)."""
@@ -78,6 +81,7 @@ def test_refusals():
     np.testing.assert_array_equal(ids, route_reference(x, w, bias, k=2, **KW)[0])
 
 
+@pytest.mark.interpret
 def test_derivative_is_the_reference_s():
     x, w, bias = _inputs(4, 128, 32, seed=1, dtype=jnp.float32)
     loss = lambda f: lambda x, w: f(x, w, bias, k=4, **KW)[1].sum()   # noqa: E731
@@ -87,6 +91,7 @@ def test_derivative_is_the_reference_s():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("target,t", [("h200", 17)] + [
     pytest.param(*case, marks=pytest.mark.slow) for case in [("h200", 1), ("h200", 64), ("h100", 17), ("b200", 17),

@@ -31,6 +31,7 @@ def _expert_bytes_per_device():
     return part.per_device_bytes(params["moe_layers"]["moe"]["experts"])
 
 
+@pytest.mark.compile
 @pytest.mark.slow     # two whole-round compiles for 4 H200s (~30-60 s)
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_ddtree_round_for_h200_per_layer_and_stacked():
@@ -54,6 +55,7 @@ def test_ddtree_round_for_h200_per_layer_and_stacked():
     assert stacked["copy_bytes"] >= experts > row["copy_bytes"]
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_ar_step_and_unservable_cells():
@@ -64,6 +66,7 @@ def test_ar_step_and_unservable_cells():
     assert odd["status"].startswith("n/a:")
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
 def test_round_for_a_tpu_slice():
     row = _cell("v5e", target_sweep.Cell("tp", 1, 512, "ddtree4"))

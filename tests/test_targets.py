@@ -86,6 +86,7 @@ def test_missing_compiler_is_one_line(monkeypatch):
 
 # ---- compile-only meshes --------------------------------------------------------------------------------------
 
+@pytest.mark.compile
 @needs_gpu
 @pytest.mark.parametrize("devices,axes,hosts", [(8, None, 1), (16, "ep=2,tp=8", 2)])
 def test_h200_meshes(devices, axes, hosts):
@@ -104,6 +105,7 @@ def test_h200_meshes(devices, axes, hosts):
     assert "all-reduce" in compiled.as_text()
 
 
+@pytest.mark.compile
 @needs_gpu
 def test_spills_are_errors():
     """The compile option really turns a spill into an error: a 128x128 float32 accumulator on one warp (512
@@ -182,6 +184,7 @@ def tree_attention_hlo(target, page, width, slots=4096):
     return compile_on(target, fn, *args)
 
 
+@pytest.mark.compile
 @needs_gpu
 @pytest.mark.parametrize("target,strategy,tokens", matrix(KERNEL_TARGETS, ("tp", "ep"), (1, 8, 64),
                                                           fast=("h200", "tp", 8))
@@ -196,6 +199,7 @@ def test_int4_moe_kernel_compiles(target, strategy, tokens):
     assert int4_moe_hlo(target, strategy, tokens).count(TRITON_CALL) == kernels
 
 
+@pytest.mark.compile
 @needs_gpu
 @pytest.mark.parametrize("target,page,width", matrix(KERNEL_TARGETS, (0, 64), (1, 17, 65), fast=("h200", 64, 17))
                          + [pytest.param(t, page, w, marks=pytest.mark.slow)
@@ -204,6 +208,7 @@ def test_tree_attention_kernel_compiles(target, page, width):
     assert tree_attention_hlo(target, page, width).count(TRITON_CALL) == 2     # the tree kernel and its merge
 
 
+@pytest.mark.compile
 @needs_gpu
 @pytest.mark.slow
 def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
@@ -229,6 +234,7 @@ def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
 
 # ---- the XLA path on a TPU slice ------------------------------------------------------------------------------
 
+@pytest.mark.compile
 @needs_tpu
 @pytest.mark.parametrize("cfg,axes,strategy", [(TINY, "tp=4", "tp"),
                                                (TINY.replace(int4_experts=True, moe_intermediate_size=256),

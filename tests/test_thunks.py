@@ -90,6 +90,7 @@ def _loop_program(layers: int):
                                 jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
 
 
+@pytest.mark.compile
 @needs_gpu
 def test_real_compiler_trip_counts_and_graph_loops():
     host_loops = compile_options("cuda", Runtime(graph_loops=False))
@@ -114,6 +115,7 @@ def test_compile_options_only_touch_gpus():
     assert compile_options("gpu", Runtime(graph_loops=False)) == {}
 
 
+@pytest.mark.compile
 @needs_gpu
 def test_split_k_off_is_one_kernel_per_gemm():
     """A verify-width GEMM (17 rows, K2.6's q_b: [17, 1536] x [1536, 1536] on one of 8 devices): XLA splits K for
@@ -146,6 +148,7 @@ def test_nvlink_links_in_the_nvlink_gpu_specs():
         assert re.search(r"device_interconnect_info\s*{\s*active_links:\s*18\s*}", targets.get_target(name).spec), name
 
 
+@pytest.mark.compile
 @needs_gpu
 def test_b300_all_reduces_stay_in_graphs_as_on_h200():
     repro = _b300_repro()

@@ -55,6 +55,7 @@ def check_all(q, qpe, kv, lengths, mask, scale=0.3, rtol=2e-5, **pallas_kw):
 
 # s = 70 is not a multiple of the 16-row key block. lengths: an empty prefix, mid-block, a full cache; in the
 # chain case row 2 has lengths + t > s, so its last 3 tree slots do not exist (kimi_jax.cache.visibility drops them).
+@pytest.mark.interpret
 @pytest.mark.parametrize("t,lengths,splits", [
     (1, [0, 23, 69], 5),               # decode, one key block per split
     (6, [0, 33, 67], None),            # chain: causal mask, default splits (2)
@@ -64,6 +65,7 @@ def test_causal(t, lengths, splits):
     check_all(q, qpe, kv, lengths, causal(3, t), block_k=16, num_splits=splits)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_ddtree_tree_with_padding():
     mask = tree_mask()
@@ -73,6 +75,7 @@ def test_ddtree_tree_with_padding():
     check_all(q, qpe, kv, [7, 96 - 8], mask, block_k=32, num_splits=2)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_big_tree_multiword_mask():
     # 40 nodes: the packed mask spans two words and two tree key blocks; node 0 of row 1 sees only itself
@@ -86,6 +89,7 @@ def test_big_tree_multiword_mask():
     check_all(q, qpe, kv, [0, 50], mask, block_k=32)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_k2_head_dims():
     """K2's latent 512 + 64 with 8 heads (a TP-8 shard), t = 8 tree nodes, four query blocks of 16."""
@@ -93,6 +97,7 @@ def test_k2_head_dims():
     check_all(q, qpe, kv, [40], tree_mask()[:1], scale=0.05, rtol=1e-4, block_q=16, block_k=32)
 
 
+@pytest.mark.interpret
 @pytest.mark.slow
 def test_bf16():
     mask = tree_mask()

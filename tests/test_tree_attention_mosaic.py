@@ -41,9 +41,11 @@ def check(out, q, qpe, kv_rows, lengths, mask, scale):
 
 
 # 200 slots: not a multiple of the 64-row key block (the last block is read from s - 64 and its overlap masked).
+@pytest.mark.interpret
 @pytest.mark.parametrize("t,lengths,splits,block_v", [
     (1, [0, 70, 199], 3, 64),       # decode, width 1: an empty prefix, mid-block, a full cache; two value chunks
-    (6, [5, 130, 197], 2, 128),     # chain: causal, one value chunk; row 2's last 3 tree slots do not exist
+    # chain: causal, one value chunk; row 2's last 3 tree slots do not exist
+    pytest.param(6, [5, 130, 197], 2, 128, marks=pytest.mark.slow),
 ])
 def test_contiguous_causal(t, lengths, splits, block_v):
     q, qpe, kv = inputs(t, 3, t, 2, 200)
@@ -52,6 +54,7 @@ def test_contiguous_causal(t, lengths, splits, block_v):
     check(out, q, qpe, kv, lengths, causal(3, t), 0.1)
 
 
+@pytest.mark.interpret
 def test_ddtree_mask_through_the_api():
     """A DDTree ancestor mask (not causal; slot 7 is padding that sees only itself), impl="mosaic" through
     api.latent_attention with interpret=True, default splits."""
@@ -64,6 +67,7 @@ def test_ddtree_mask_through_the_api():
     check(out, q, qpe, kv, lengths, mask, 0.1)
 
 
+@pytest.mark.interpret
 def test_paged_whole_cache_at_a_layer():
     """A page pool of 64-slot pages in a shuffled order, the whole cache [layers, pages, page, c] read at
     layer 1, a tree of 8 nodes."""
@@ -78,6 +82,7 @@ def test_paged_whole_cache_at_a_layer():
     check(out, q, qpe, rows_view(pool[1], table), lengths, mask, 0.1)
 
 
+@pytest.mark.interpret
 def test_whole_contiguous_cache_at_a_layer_and_a_query_that_sees_nothing():
     """kv [layers, b, s, c] read at layer 2; row 1 has an empty prefix and its node 1 sees no key at all (outside
     the model's contract): zeros, as api.py promises, where the kernel itself would hold junk (no second where)."""
@@ -94,6 +99,7 @@ def test_whole_contiguous_cache_at_a_layer_and_a_query_that_sees_nothing():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=3e-2, atol=3e-2 * np.abs(ref).max())
 
 
+@pytest.mark.interpret
 def test_wide_tree_two_query_and_tree_blocks():
     """70 nodes with random parents, one head: two query blocks and two tree key blocks (tree keys 64..69 in
     the second)."""
@@ -108,6 +114,7 @@ def test_wide_tree_two_query_and_tree_blocks():
     check(out, q, qpe, kv, [90], mask, 0.1)
 
 
+@pytest.mark.interpret
 def test_rejects_what_it_cannot_run():
     q, qpe, kv = inputs(0, 1, 2, 2, 64)
     lengths = jnp.zeros((1,), jnp.int32)
@@ -172,12 +179,14 @@ def check_ptxas(ptxas, smem):
 
 # The code is the same for every width with the same number of tree blocks (one up to 64 nodes, two up to 128)
 # and of value chunks; only constants change. Shared memory: 231,448 B (226.0 KiB) at every width.
+@pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("width,page", [(1, 0), (65, 64)])
 def test_compiles_for_h200_k26_slice(width, page, monkeypatch, capfd):
     check_ptxas(*compile_h200(width, page, 4096, capfd, monkeypatch))
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("width,page,slots", [(17, 0, 4096), (17, 64, 4096), (64, 0, 4096), (64, 64, 4096),
