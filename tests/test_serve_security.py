@@ -238,6 +238,9 @@ def _content_length_over_the_limit_is_413(keyed):
         assert (status, error["code"]) == (413, "request_too_large") and str(LIMIT) in error["message"]
         assert "connection: close" in headers and "100 continue" not in headers
         assert time.monotonic() - t0 < READ_TIMEOUT          # answered, not timed out
+    with pytest.raises(openai.APIStatusError) as e:          # the official client, sending 1 MB anyway, reads the 413
+        _complete(_client(keyed.url, BETA), "x" * (1 << 20))
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
 
 
 def test_a_chunked_body_is_cut_off_at_the_limit(keyed):
@@ -315,7 +318,8 @@ def _late_headers_and_body_get_408(keyed):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         results = [pool.submit(f) for f in (late_headers, late_body, silent)]
         (response, took), (body_response, body_took), (nothing, idle_took) = (f.result() for f in results)
-    on_time = lambda t: READ_TIMEOUT - 0.1 <= t < READ_TIMEOUT + 2          # noqa: E731 (timers round a little)
+    def on_time(seconds):
+        return READ_TIMEOUT - 0.1 <= seconds < READ_TIMEOUT + 2      # timers round a little
     assert response.startswith(b"HTTP/1.1 408 ") and on_time(took)
     status, head, error = _status_and_error(body_response)
     assert (status, error["code"]) == (408, "request_timeout") and "connection: close" in head
@@ -410,3 +414,63 @@ def test_no_refusal_harms_a_running_request(keyed):
         batcher.gate.set()
         batcher.resume.set()
     assert text == REPLY[:40]
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def _parse(argv, capsys):
+    """(args, None) or (None, the error line) of `python -m kimi_jax.serve` ARGV."""
+    from kimi_jax.cli.serve import _parse
+    try:
+        return _parse(argv), None
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("kimi_jax.serve: error: "), err
+        return None, err.strip()
+
+
+def test_keys_come_from_flags_the_environment_and_a_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KIMI_JAX_API_KEY", raising=False)
+    assert _parse([], capsys)[0].api_keys == ()
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-file-1\n\n  sk-file-2  \n")
+    monkeypatch.setenv("KIMI_JAX_API_KEY", "sk-env-1, sk-env-2,")
+    args, _ = _parse(["--api-key", "sk-flag", "--api-key", "sk-env-1", "--api-key-file", str(keys)], capsys)
+    assert args.api_keys == ("sk-flag", "sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2")
+
+
+def test_bad_access_flags_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KIMI_JAX_API_KEY", raising=False)
+    empty, cert, key = tmp_path / "empty", tmp_path / "cert.pem", tmp_path / "key.pem"
+    empty.write_text("# nothing\n")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True,
+                   capture_output=True)
+    cases = {("--api-key-file", str(tmp_path / "missing")): "cannot read",
+             ("--api-key-file", str(empty)): "holds no key",
+             ("--api-key", "two words"): "printable ASCII without spaces",
+             ("--ssl-certfile", str(cert)): "holds no matching private key: give --ssl-keyfile",
+             ("--ssl-keyfile", str(key)): "--ssl-keyfile needs --ssl-certfile",
+             ("--ssl-certfile", str(key), "--ssl-keyfile", str(key)): "cannot load the certificate and key",
+             ("--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "missing")): "No such file",
+             ("--read-timeout", "0"): "--read-timeout must be",
+             ("--max-body-bytes", "0"): "--max-body-bytes must be",
+             ("--max-in-flight-per-key", "-1"): "--max-in-flight-per-key must be"}
+    for argv, message in cases.items():
+        args, err = _parse(list(argv), capsys)
+        assert args is None and message in err, (argv, err)
+    args, err = _parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], capsys)
+    assert err is None and args.ssl_certfile == str(cert)
+
+
+def test_the_startup_line_says_whether_the_server_is_open(capsys):
+    from kimi_jax.cli.serve import _access_line
+    open_app = types.SimpleNamespace(state=types.SimpleNamespace(policy=AccessPolicy(max_body_bytes=9, max_in_flight=0)))
+    line = _access_line(types.SimpleNamespace(api_keys=()), open_app)
+    assert line.startswith("no API key: anyone who can reach the port can use it") and "9 bytes" in line
+    keyed_app = types.SimpleNamespace(state=types.SimpleNamespace(policy=AccessPolicy(max_body_bytes=9,
+                                                                                      max_in_flight=3)))
+    line = _access_line(types.SimpleNamespace(api_keys=(ALPHA,)), keyed_app)
+    assert line.startswith(f"1 API key(s) ({_kid(ALPHA)})") and "3 requests in flight per key" in line
+    assert ALPHA not in line

@@ -134,8 +134,8 @@ def run(argv=None) -> int:
     args = _parse(argv)
     persistent_compile_cache()
     import kimi_jax
-    from kimi_jax.serving.batcher import Batcher
     from kimi_jax.serving.access import AccessPolicy
+    from kimi_jax.serving.batcher import Batcher
     from kimi_jax.serving.server import create_app, serve
 
     handler = logging.StreamHandler(sys.stderr)      # request failures: one line + the traceback, by request id

@@ -245,11 +245,11 @@ class _Generation:
                 "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
-def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy = AccessPolicy()) -> FastAPI:
-    """The app, behind ``access.AccessControl`` with ``policy`` (its ``None`` limits derived from the batcher)."""
+def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = None) -> FastAPI:
+    """The app, behind ``access.AccessControl`` with ``policy`` (default: open, limits derived from the batcher)."""
     app = FastAPI(title="kimi_jax", docs_url=None, redoc_url=None)
     app.state.batcher = batcher
-    app.state.policy = policy = policy.resolve(batcher)
+    app.state.policy = policy = (policy or AccessPolicy()).resolve(batcher)
     app.state.tokenizer = batcher.model.tokenizer
     app.state.metrics = metrics = Metrics(batcher)
     app.state.open = open_requests = set()         # _Generations not yet answered in full (shutdown ends them)
