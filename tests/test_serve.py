@@ -8,6 +8,7 @@ lossless, so the tokens must be AR's). The last test sends SIGTERM and checks th
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,6 +126,8 @@ def test_models_health_and_metrics(server, reference):
     err = server["log"].read_text()              # started without keys: it says so, and audits every request
     assert "no API key: anyone who can reach the port can use it" in err
     assert "key=none client=127.0.0.1 method=GET route=/v1/models status=200" in err
+    ids = re.findall(r"request id=(\S+)", err)
+    assert len(ids) == len(set(ids)) > 0, err                # each request's line once (not again via the root)
     assert httpx.get(server["url"] + "/health").json()["slots"] == SLOTS
     text = httpx.get(server["url"] + "/metrics").text
     for name in ("kimi_jax_requests_total", "kimi_jax_completion_tokens_total", "kimi_jax_mean_tau",

@@ -141,6 +141,7 @@ def run(argv=None) -> int:
     handler = logging.StreamHandler(sys.stderr)      # request failures: one line + the traceback, by request id
     handler.setFormatter(logging.Formatter("kimi_jax.serve: %(levelname)s: %(message)s"))
     logging.getLogger("kimi_jax.serve").addHandler(handler)
+    logging.getLogger("kimi_jax.serve").propagate = False    # a library's basicConfig on the root would print it twice
     logging.getLogger("kimi_jax.serve.audit").setLevel(logging.INFO)     # one line per request
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
