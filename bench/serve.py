@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -47,13 +48,17 @@ def start(method, slots, max_tokens, max_len=256, extra=()):
     port = _port()
     cmd = [sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--method", method, "--max-batch",
            str(slots), "--max-new-tokens", str(max_tokens), "--max-len", str(max_len), "--queue-size", "256", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    # stderr to a file, not a pipe: the server writes an audit line per request, and a pipe nobody reads fills
+    # and then blocks the server mid-benchmark
+    with tempfile.NamedTemporaryFile("w", prefix="kimi_jax_bench_serve_", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, text=True,
+                                env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"server failed: {proc.stderr.read()}")
+            with open(log.name) as f:
+                raise SystemExit(f"server failed: {f.read()}")
         try:
             httpx.get(url + "/health", timeout=1)
             return proc, url, time.time() - t0

@@ -8,6 +8,7 @@ lossless, so the tokens must be AR's). The last test sends SIGTERM and checks th
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,18 +39,22 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--max-batch", str(SLOTS),
-                             "--max-new-tokens", str(MAX_NEW), "--max-len", str(MAX_LEN), "--budget", "8",
-                             "--queue-size", "32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe: the server writes an audit line per request, and a pipe nobody reads fills
+    # (64 KiB, a few hundred requests) and then blocks the server's event loop on the write
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--max-batch",
+                                 str(SLOTS), "--max-new-tokens", str(MAX_NEW), "--max-len", str(MAX_LEN), "--budget",
+                                 "8", "--queue-size", "32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
+            pytest.fail(f"server exited: {log.read_text()}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 break
@@ -58,7 +63,8 @@ def server():
     else:
         proc.kill()
         pytest.fail("server did not come up")
-    yield {"proc": proc, "url": url, "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)}
+    yield {"proc": proc, "url": url, "log": log,
+           "client": openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -117,6 +123,11 @@ def test_completion_and_chat_equal_the_request_alone(server, reference):
 def test_models_health_and_metrics(server, reference):
     model, _ = reference
     assert [m.id for m in server["client"].models.list().data] == [model.config.name]
+    err = server["log"].read_text()              # started without keys: it says so, and audits every request
+    assert "no API key: anyone who can reach the port can use it" in err
+    assert "key=none client=127.0.0.1 method=GET route=/v1/models status=200" in err
+    ids = re.findall(r"request id=(\S+)", err)
+    assert len(ids) == len(set(ids)) > 0, err                # each request's line once (not again via the root)
     assert httpx.get(server["url"] + "/health").json()["slots"] == SLOTS
     text = httpx.get(server["url"] + "/metrics").text
     for name in ("kimi_jax_requests_total", "kimi_jax_completion_tokens_total", "kimi_jax_mean_tau",

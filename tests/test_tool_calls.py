@@ -212,6 +212,7 @@ class ScriptedBatcher:
     """What the HTTP layer uses of a Batcher; each submitted job gets the next script, as tokens, a few per
     delivery, then <|im_end|> (eos) unless max_tokens cuts it first."""
     method, budget, max_batch, degraded, prefix = "ar", None, 4, None, None
+    max_len, queue_size = 1024, 8
 
     def __init__(self, tok):
         self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(eos_token_ids=tok.eos_ids))

@@ -4,13 +4,19 @@ With no arguments it serves the embedded default (checkpoints/target + checkpoin
 auto budget) on 127.0.0.1:8000. Every program is compiled before the port opens. SIGTERM or Ctrl-C closes the
 port and lets running and queued requests finish for up to --shutdown-grace seconds; what is left then ends with
 a 503 error (an error event in a stream), and the server exits: 0 after SIGTERM, 130 after Ctrl-C.
+
+Access (docs/serving.md): API keys from --api-key, --api-key-file and $KIMI_JAX_API_KEY (without any the server is
+open, and says so when it starts), the body limit, the per-key limit on requests in flight, read deadlines, TLS
+and the audit line (one per request on stderr).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import ssl
 import sys
 
 from kimi_jax.cli.decode import DEFAULT_TARGET, OneLineParser, drafter_dir, parse_budget, persistent_compile_cache
@@ -39,7 +45,31 @@ def _parse(argv):
     p.add_argument("--page-size", type=int, default=16, help="tokens per prefix-cache page")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/Ctrl-C (default 30)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="an API key clients must send as 'Authorization: Bearer KEY' on /v1 (repeatable; also "
+                        "$KIMI_JAX_API_KEY, comma-separated, and --api-key-file). No key: the server is open")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (# comments)")
+    p.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for the key too (default: open)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (default: 32 bytes per token of --max-len, plus 1 MiB)")
+    p.add_argument("--max-in-flight-per-key", type=int, default=None,
+                   help="requests one key may have running or waiting (default with keys: half of --max-batch "
+                        "plus --queue-size; without keys: no limit, or N per client address; 0 = no limit)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers, and again its body (default 30)")
+    p.add_argument("--log-request-bodies", action="store_true",
+                   help="the audit line also holds the request body, prompt included (default: never)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     args = p.parse_args(argv)
+    args.api_keys = _api_keys(p, args)
+    _check_tls(p, args)
+    if not 0 < args.read_timeout < float("inf"):
+        p.error("--read-timeout must be a number of seconds > 0")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        p.error("--max-body-bytes must be >= 1")
+    if args.max_in_flight_per_key is not None and args.max_in_flight_per_key < 0:
+        p.error("--max-in-flight-per-key must be >= 0 (0: no limit)")
     if not 0 <= args.shutdown_grace < float("inf"):
         p.error("--shutdown-grace must be a number of seconds >= 0")
     args.budget = parse_budget(p, args.budget)
@@ -55,16 +85,64 @@ def _parse(argv):
     return args
 
 
+def _api_keys(p, args) -> tuple[str, ...]:
+    """Every key from --api-key, $KIMI_JAX_API_KEY (comma-separated) and --api-key-file (one per line)."""
+    keys = list(args.api_key) + [k.strip() for k in os.environ.get("KIMI_JAX_API_KEY", "").split(",") if k.strip()]
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--api-key-file: cannot read {args.api_key_file}: {getattr(e, 'strerror', None) or e}")
+        from_file = [line for line in lines if line and not line.startswith("#")]
+        if not from_file:
+            p.error(f"--api-key-file: {args.api_key_file} holds no key (one per line)")
+        keys += from_file
+    for key in keys:
+        if not re.fullmatch(r"[\x21-\x7e]+", key):       # what an Authorization header can carry as one token
+            p.error("an API key must be printable ASCII without spaces")
+    return tuple(dict.fromkeys(keys))
+
+
+def _check_tls(p, args) -> None:
+    """The certificate and key load (a certificate file may hold its key); else one line that says why not."""
+    if args.ssl_keyfile and not args.ssl_certfile:
+        p.error("--ssl-keyfile needs --ssl-certfile")
+    if not args.ssl_certfile:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except OSError as e:
+        if isinstance(e, ssl.SSLError) and not args.ssl_keyfile:
+            p.error(f"--ssl-certfile {args.ssl_certfile} holds no matching private key: give --ssl-keyfile ({e})")
+        what = "--ssl-certfile/--ssl-keyfile" if args.ssl_keyfile else "--ssl-certfile"
+        p.error(f"{what}: cannot load the certificate and key: {getattr(e, 'strerror', None) or e}")
+
+
+def _access_line(args, app) -> str:
+    """What the startup line says about who can use the server."""
+    from kimi_jax.serving.access import key_id
+    policy = app.state.policy
+    limits = (f"bodies up to {policy.max_body_bytes} bytes, "
+              f"{policy.max_in_flight or 'no limit on'} requests in flight per {'key' if args.api_keys else 'client'}")
+    if not args.api_keys:
+        return f"no API key: anyone who can reach the port can use it (--api-key); {limits}"
+    return f"{len(args.api_keys)} API key(s) ({', '.join(map(key_id, args.api_keys))}); {limits}"
+
+
 def run(argv=None) -> int:
     args = _parse(argv)
     persistent_compile_cache()
     import kimi_jax
+    from kimi_jax.serving.access import AccessPolicy
     from kimi_jax.serving.batcher import Batcher
     from kimi_jax.serving.server import create_app, serve
 
     handler = logging.StreamHandler(sys.stderr)      # request failures: one line + the traceback, by request id
     handler.setFormatter(logging.Formatter("kimi_jax.serve: %(levelname)s: %(message)s"))
     logging.getLogger("kimi_jax.serve").addHandler(handler)
+    logging.getLogger("kimi_jax.serve").propagate = False    # a library's basicConfig on the root would print it twice
+    logging.getLogger("kimi_jax.serve.audit").setLevel(logging.INFO)     # one line per request
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
@@ -73,13 +151,17 @@ def run(argv=None) -> int:
                       prefix_pages=args.prefix_cache_pages, page_size=args.page_size)
     batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
     batcher.start()
-    app = create_app(batcher, model.config.name)
-    print(f"kimi_jax.serve: {batcher.method} with {args.max_batch} slots on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    policy = AccessPolicy(api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
+                          max_in_flight=args.max_in_flight_per_key, read_timeout=args.read_timeout,
+                          metrics_need_key=args.metrics_need_key, log_bodies=args.log_request_bodies)
+    app = create_app(batcher, model.config.name, policy)
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"kimi_jax.serve: {batcher.method} with {args.max_batch} slots on {scheme}://{args.host}:{args.port}; "
+          f"{_access_line(args, app)}", file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one return, so the drain
     # ends in status 0 (Ctrl-C ends in 130 through cli.exits once the drain is over).
     signal.signal(signal.SIGTERM, lambda *_: None)
-    serve(app, args.host, args.port, args.shutdown_grace)
+    serve(app, args.host, args.port, args.shutdown_grace, args.ssl_certfile, args.ssl_keyfile)
     if not batcher.stop(timeout=5.0):
         # every response went out, but the device thread is still inside a dispatch: do not wait for it
         print("kimi_jax.serve: the device was still busy at exit; not waiting for it", file=sys.stderr, flush=True)

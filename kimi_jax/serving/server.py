@@ -15,7 +15,8 @@ OpenAI fields this server does not implement are accepted only at the value that
 body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 404 for an unknown model or
 URL, 405 for a wrong method, 429 for a full queue, 503 while shutting down, 500 (with the request id the log
 names) when a request fails inside the server; a stream that fails after its first event ends with one
-``data: {"error": ...}`` event instead.
+``data: {"error": ...}`` event instead. In front of the app, ``kimi_jax.serving.access`` answers 401 (API key),
+413 (body size), 408 (a slow client) and 429 (the key's requests in flight), and writes the audit line.
 
 Text is decoded incrementally (whole UTF-8 characters only); a stop string ends the request and is not
 returned, and text that could still become a stop string is held back until it cannot. Token counts in
@@ -44,6 +45,7 @@ from starlette.exceptions import HTTPException
 
 from kimi_jax import fields
 from kimi_jax.fields import GenerationError
+from kimi_jax.serving.access import SCOPE_KEY, AccessControl, AccessPolicy, Exchange, HeaderDeadline
 from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
 from kimi_jax.serving.tools import (ChatTemplateKwargs, InvalidToolRequest, MessageToolCall, Tool, ToolChoice,
                                     ToolPlan, check_messages, has_reply_format)
@@ -131,6 +133,9 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kimi_jax_requests", "requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
+        self.requests_by_key = Counter("kimi_jax_requests_by_key", "requests by API key id ('none': no key was "
+                                       "required, 'unauthenticated': refused for the key) and status",
+                                       ["key", "status"], registry=r)
         self.prompt_tokens = Counter("kimi_jax_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.completion_tokens = Counter("kimi_jax_completion_tokens", "generated tokens returned", registry=r)
         self.ttft = Histogram("kimi_jax_time_to_first_token_seconds", "request arrival to its first token",
@@ -240,9 +245,11 @@ class _Generation:
                 "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
-def create_app(batcher: Batcher, model_name: str) -> FastAPI:
+def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = None) -> FastAPI:
+    """The app, behind ``access.AccessControl`` with ``policy`` (default: open, limits derived from the batcher)."""
     app = FastAPI(title="kimi_jax", docs_url=None, redoc_url=None)
     app.state.batcher = batcher
+    app.state.policy = policy = (policy or AccessPolicy()).resolve(batcher)
     app.state.tokenizer = batcher.model.tokenizer
     app.state.metrics = metrics = Metrics(batcher)
     app.state.open = open_requests = set()         # _Generations not yet answered in full (shutdown ends them)
@@ -318,7 +325,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
 
-    async def _run(body: _Common, ids: list[int], endpoint: str, shape):
+    async def _run(body: _Common, ids: list[int], endpoint: str, shape, exchange: Exchange):
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         batcher.check(ids, max_tokens)
         rid = f"{shape['prefix']}-{uuid.uuid4().hex[:24]}"
@@ -326,6 +333,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
         batcher.submit(gen.job)
         open_requests.add(gen)
         metrics.prompt_tokens.inc(len(ids))
+        exchange.id, exchange.prompt_tokens = rid, len(ids)        # the audit line names the id the client sees
         head = {"id": rid, "created": int(time.time()), "model": model_name}
         if not body.stream:
             text, reason = "", None
@@ -337,6 +345,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
             finally:
                 open_requests.discard(gen)
                 gen.job.cancel()         # a client that left (or a failure) frees its slot at the next dispatch
+                exchange.completion_tokens = gen.tokens
             metrics.requests.labels(endpoint, "200").inc()
             return {**head, "object": shape["object"], "choices": [shape["choice"](text, reason)],
                     "usage": gen.usage()}
@@ -360,6 +369,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                 open_requests.discard(gen)
                 gen.job.cancel()        # a client that left frees its slot at the next dispatch
                 metrics.requests.labels(endpoint, status).inc()
+                exchange.status, exchange.completion_tokens = int(status), gen.tokens
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"x-request-id": rid})
 
@@ -414,7 +424,7 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                 "choice": choice, "deltas": deltas}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         async def work():
             _check(body)
             prompt = body.prompt
@@ -431,11 +441,11 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
                 ids = list(prompt)
             if not ids:
                 raise BadRequest("empty prompt", param="prompt")
-            return await _run(body, ids, "/v1/completions", completion_shape)
+            return await _run(body, ids, "/v1/completions", completion_shape, request.scope[SCOPE_KEY])
         return await _guarded("/v1/completions", work)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         async def work():
             _check(body)
             tok = app.state.tokenizer
@@ -445,13 +455,15 @@ def create_app(batcher: Batcher, model_name: str) -> FastAPI:
             thinking = body.chat_template_kwargs.thinking if body.chat_template_kwargs else None
             plan = ToolPlan(body.tools, body.tool_choice, thinking, has_reply_format(tok))
             prompt = plan.prompt(tok, [m.model_dump(exclude_none=True) for m in body.messages])
-            return await _run(body, tok.encode(prompt), "/v1/chat/completions", chat_shape(plan.reply(prompt)))
+            return await _run(body, tok.encode(prompt), "/v1/chat/completions", chat_shape(plan.reply(prompt)),
+                              request.scope[SCOPE_KEY])
         return await _guarded("/v1/chat/completions", work)
 
     def end_open_requests():
         for gen in list(open_requests):
             gen.fail(Failed("the server shut down before this request finished", 503))
     app.state.end_open_requests = end_open_requests
+    app.add_middleware(AccessControl, policy=policy, metrics=metrics, routes={r.path for r in app.routes})
     return app
 
 
@@ -470,10 +482,12 @@ class _Server(uvicorn.Server):
     deadline, and the HTTP side's own a moment later, which answers every open request even if the device
     thread is stuck inside a dispatch."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace: float):
+    def __init__(self, app: FastAPI, host: str, port: int, grace: float, ssl_certfile=None, ssl_keyfile=None):
         # uvicorn's deadline only backs ours up: it cancels responses still open a few seconds after ours.
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                        timeout_graceful_shutdown=grace + 5))
+                                        timeout_graceful_shutdown=grace + 5,
+                                        http=HeaderDeadline.after(app.state.policy.read_timeout),
+                                        ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile))
         self.app, self.grace, self.loop = app, grace, None
 
     async def startup(self, sockets=None) -> None:
@@ -490,11 +504,13 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, host: str, port: int, grace: float) -> None:
+def serve(app: FastAPI, host: str, port: int, grace: float, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``shutdown(app)``); then the listening socket closes, running and queued
     requests get ``grace`` seconds to finish, and whatever is left ends with a 503 error (an error event in a
-    stream). Returns once every response is sent."""
-    app.state.server = _Server(app, host, port, grace)
+    stream). Returns once every response is sent. With ``ssl_certfile`` (and ``ssl_keyfile`` unless the
+    certificate file holds the key) it serves HTTPS."""
+    app.state.server = _Server(app, host, port, grace, ssl_certfile, ssl_keyfile)
     app.state.server.run()
 
 
