@@ -55,7 +55,7 @@ def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("stages,block_m", [(2, None)] + [
+@pytest.mark.parametrize("stages,block_m", [pytest.param(2, None, marks=pytest.mark.slow)] + [
     pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(4, None), (2, 64), (1, None), (3, None), (4, 64),
                                                                 (3, 8)]])
 def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
@@ -70,7 +70,8 @@ def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("block_m,splits", [(None, 2), pytest.param(64, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("block_m,splits", [pytest.param(None, 2, marks=pytest.mark.slow),
+                                             pytest.param(64, 4, marks=pytest.mark.slow)])
 def test_mosaic_gate_up_split_k(block_m, splits):
     """gate/up over K splits (float32 partial sums, silu outside): D = 1024 is 4 chunks, 2 or 1 per split."""
     d, f, e = 1024, 256, 2

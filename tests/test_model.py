@@ -66,6 +66,7 @@ def test_prefill_then_decode_equals_full_forward(tiny_params):
     np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow     # the fast loop has per-layer == stacked tokens (test_per_layer_load)
 def test_per_layer_weights_compute_what_stacked_layers_do(tiny_params):
     """compute_params splits a small unsharded model into per-layer buffers (a Python loop over layers instead of
     lax.scan); logits, taps, expert loads and cache rows must be the scanned forward's."""

@@ -64,7 +64,7 @@ TAILS = ["    return", "    args = parser", "    print(", "    for arg in argv:"
 
 
 @embedded
-@pytest.mark.parametrize("method", ["ar", "ddtree"])
+@pytest.mark.parametrize("method", [pytest.param("ar", marks=pytest.mark.slow), "ddtree"])
 def test_a_prefill_from_cached_pages_equals_the_whole_prompts_prefill(model, method):
     """The rows a hit's prefill holds (copied pages + computed rest): latent cache, drafter features, first
     token, equal to the plain prefill of the whole prompt; the stored pages equal that prefill's rows."""
