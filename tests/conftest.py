@@ -91,7 +91,7 @@ def fresh_gpu_interpret_state(request):
 # XLA's JIT linker fails and the process dies with a segfault (the crash of 2026-12-06, in a compile or a cache
 # write, always late in a one-process run; docs/design.md, "Tests"). Freeing programs costs recompiles (or
 # persistent-cache reads), so it happens only when a module ends with the mappings past MAP_HIGH_WATER: one module
-# has added up to ~27,000, which leaves room under the limit (20,000 cost ~2 CPU minutes more in a CI run).
+# has added up to ~27,000, which leaves room under the limit.
 MAP_HIGH_WATER = 30_000
 
 
