@@ -23,10 +23,12 @@ if "KIMI_JAX_CACHE" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Compile each program once per run: the same tiny-model programs are built by many test modules (a fresh
-# kimi_jax.Model, a jit of the same function), and JAX's in-memory caches are keyed by Python objects, its
-# persistent cache by the program itself. Same directory as the CLI's (kimi_jax.cli.decode.persistent_compile_cache).
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["KIMI_JAX_CACHE"], "xla"))
+from kimi_jax.cli.decode import persistent_compile_cache  # noqa: E402
+
+# A program built again in the run (a fresh kimi_jax.Model, a jit of the same function, programs freed below) is
+# read back, not recompiled: JAX's in-memory caches are keyed by Python objects, its persistent cache by the
+# program itself (~6% of the CPU time measured, docs/design.md "Tests"). The CLI's own cache, under $KIMI_JAX_CACHE.
+persistent_compile_cache()
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
