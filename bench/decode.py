@@ -106,13 +106,14 @@ def run_hf(model, prompts, new_tokens, python):
 
 def project_auto(model, prompts):
     """The auto policy under roofline costs of full K2.6 (TP-8) with this drafter's measured prior outlook."""
-    from kimi_jax.decoding import auto, costs
+    from kimi_jax.analysis.roofline import projected_costs
+    from kimi_jax.decoding import auto
     request = model.prepare([prompts[0]], 64, "ddtree", "auto")
     spec = request.spec
     prior = model.cost_table(request)[1]
     out = {}
     for hw in ("h200", "b300"):
-        seconds = costs.projected_seconds(hw, spec.widths)
+        seconds = projected_costs(hw, spec.widths)
         i = auto.best_width(np.stack([seconds, prior]))
         out[hw] = dict(width=spec.widths[i], seconds_per_round=seconds.tolist(),
                        speedup_vs_ar=float(prior[i] / seconds[i] * seconds[0]))

@@ -42,6 +42,7 @@ from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.compute_layout import compute_params, own_buffers
+from kimi_jax.model.params import param_shardings
 from kimi_jax.model.transformer import chunked_forward, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
@@ -472,7 +473,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
         raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
     split = layers == "per-layer" if layers is not None else \
         own_buffers(cfg.num_hidden_layers, _platform(mesh), mesh is not None)
-    shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)
+    shardings = None if mesh is None else param_shardings(cfg, mesh)
     if kimi:
         cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype, verify=verify, split=split)
     else:

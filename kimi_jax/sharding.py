@@ -1,4 +1,4 @@
-"""Logical axes -> mesh axes: named sharding strategies, meshes, and the shardings of weights and cache.
+"""Logical axes -> mesh axes: named sharding strategies, meshes, and the shardings of the cache.
 
 Every weight declares logical axis names in ``kimi_jax.model.params.param_specs`` (layers, vocab, embed,
 q_lora, kv_lora, latent, heads, head_dim, mlp, experts, experts_out, expert_mlp, pair); the latent cache is
@@ -22,7 +22,8 @@ Attention and dense parts run under plain GSPMD (``jax.jit`` of the model's ``fo
 on the inputs). The MoE block runs in ``jax.shard_map`` (``kimi_jax.model.moe``, given the mesh explicitly as
 ``Runtime.mesh``): every device computes its local experts on its local F slice plus its slice of the shared
 expert, then one ``psum`` over the sharded axes, i.e. **one all-reduce per attention block and one per MoE
-block** under ``tp``. This module imports nothing of the model but its parameter table.
+block** under ``tp``. This module knows no weight: the weights' shardings are ``kimi_jax.model.params``'s
+(``param_shardings``), which maps its table through these strategies.
 
 Meshes use ``AxisType.Auto`` so the unannotated forward is partitioned by GSPMD propagation.
 """
@@ -33,7 +34,6 @@ import contextlib
 import dataclasses
 import math
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,6 @@ from jax.sharding import PartitionSpec as P
 
 from kimi_jax.cache import KVCache
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.params import ParamSpec, abstract_params, param_specs
-from kimi_jax.ops.int4_format import CHUNK
 
 AXES = ("tp", "ep", "dp")
 
@@ -160,7 +158,7 @@ def infer_strategy(mesh: Mesh) -> str:
     raise ShardingError(f"cannot infer a strategy from mesh axes {mesh.axis_names}; pass strategy=")
 
 
-def _axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+def axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -188,13 +186,13 @@ _FIX = {
 }
 
 
-def _check_divides(path: str, shape, axes, spec: P, mesh: Mesh):
+def check_divides(path: str, shape, axes, spec: P, mesh: Mesh):
     for i, (dim, logical) in enumerate(zip(shape, axes)):
         part = spec[i] if i < len(spec) else None
         if part is None:
             continue
         mesh_axes = (part,) if isinstance(part, str) else tuple(part)
-        n = _axis_size(mesh, mesh_axes)
+        n = axis_size(mesh, mesh_axes)
         if dim % n:
             raise ShardingError(
                 f"mesh {format_mesh(mesh)}: {path} axis {logical!r} has size {dim}, which mesh axis "
@@ -202,79 +200,12 @@ def _check_divides(path: str, shape, axes, spec: P, mesh: Mesh):
                 f"{_FIX.get(logical, 'divides it')} (or another strategy)")
 
 
-def _spec_leaves(cfg: ModelConfig):
-    specs = param_specs(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    return specs, flat, treedef
-
-
-def _partition_specs(cfg: ModelConfig, mesh: Mesh, st: Strategy) -> Any:
-    _, flat, treedef = _spec_leaves(cfg)
-    out = []
-    for path, s in flat:
-        spec = logical_to_spec(s.axes, mesh, st)
-        _check_divides(jax.tree_util.keystr(path), s.shape, s.axes, spec, mesh)
-        out.append(spec)
-    _check_int4(cfg, mesh, st)
-    return jax.tree.unflatten(treedef, out)
-
-
-def _check_int4(cfg: ModelConfig, mesh: Mesh, st: Strategy):
-    if not cfg.int4_experts:
-        return
-    axes = st.mesh_axes("expert_mlp", mesh)
-    n = _axis_size(mesh, axes)
-    if n > 1:
-        fp = -(-cfg.moe_intermediate_size // CHUNK) * CHUNK
-        if fp % n or (fp // n) % CHUNK:
-            raise ShardingError(
-                f"mesh {format_mesh(mesh)}: strategy {st.name} splits the INT4 experts' intermediate size "
-                f"({cfg.moe_intermediate_size}, padded to {fp}) over {'x'.join(axes)} = {n} devices, but the INT4 "
-                f"kernel needs each device's slice to be a multiple of {CHUNK} (expert intermediate >= "
-                f"{CHUNK * n}); split whole experts instead (ep) or use float experts")
-
-
-def fitting_meshes(cfg: ModelConfig, device_counts=(2, 4, 8)) -> list[str]:
-    """Each strategy's default mesh at these device counts, where it shards this model."""
-    fits = []
-    for n in device_counts:
-        for name in STRATEGIES:
-            axes = parse_mesh(default_mesh_spec(name, n))
-            spec = format_mesh({k: v for k, v in axes.items() if v > 1} or axes)
-            if spec in fits:
-                continue
-            try:
-                _partition_specs(cfg, jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes)), STRATEGIES[name])
-            except ShardingError:
-                continue
-            fits.append(spec)
-    return fits
-
-
-def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy) -> Any:
-    """PartitionSpec of every weight (same tree as ``param_specs``), checking that the mesh divides them; when it
-    does not, the error also lists the meshes of 2-8 devices that do fit."""
-    try:
-        return _partition_specs(cfg, mesh, get_strategy(strategy))
-    except ShardingError as e:
-        fits = fitting_meshes(cfg)
-        raise ShardingError(f"{e}. This model fits: {', '.join(fits) if fits else 'no mesh of 2, 4 or 8 devices'}"
-                            ) from None
-
-
-def param_shardings(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None) -> Any:
-    """NamedSharding of every weight, the same pytree as ``param_specs(cfg)`` / the params."""
-    strategy = strategy or infer_strategy(mesh)
-    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_partition_specs(cfg, mesh, strategy),
-                        is_leaf=lambda x: isinstance(x, P))
-
-
 CACHE_AXES = {"kv": ("layers", "batch", "slots", "latent"), "lengths": ("batch",)}
 
 
 def check_batch(batch: int, mesh: Mesh, strategy: str | Strategy | None = None):
     st = get_strategy(strategy or infer_strategy(mesh))
-    n = _axis_size(mesh, st.mesh_axes("batch", mesh))
+    n = axis_size(mesh, st.mesh_axes("batch", mesh))
     if batch % n:
         raise ShardingError(f"mesh {format_mesh(mesh)}: batch {batch} is not divisible by the batch axis of size "
                             f"{n} ({st.name}); use a batch that is a multiple of {n}, or a smaller dp")
@@ -299,11 +230,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None):
-    """Place a params pytree (numpy or jax arrays, identical on every process) onto the mesh."""
-    return jax.tree.map(place, params, param_shardings(cfg, mesh, strategy))
-
-
 def place(x, s):
     """One host array (identical on every process) onto sharding ``s`` (None: the default device); across
     processes each places only its own devices' shards."""
@@ -311,13 +237,6 @@ def place(x, s):
         return jax.device_put(x, s)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
-
-
-def abstract_sharded_params(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy | None = None,
-                            dtype=jnp.bfloat16):
-    """ShapeDtypeStructs with shardings: AOT lowering of the sharded model without allocating weights."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_params(cfg, dtype), param_shardings(cfg, mesh, strategy))
 
 
 def per_device_bytes(abstract_tree) -> int:

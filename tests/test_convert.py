@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import kimi_jax
-from kimi_jax.model.params import abstract_params, quantize_experts
+from kimi_jax.model.params import abstract_params, param_shardings, quantize_experts
 from kimi_jax.model.transformer import full_logits
 from kimi_jax.ops.int4_format import Int4Experts, quantize_int4
 from kimi_jax.weights import checkpoint, convert, export, hf
@@ -353,7 +353,6 @@ def test_load_on_mesh_places_each_layer_on_its_shardings(k26, converted, source,
     """load(path, mesh=) chooses the shardings first: every weight lands sharded as param_shardings says, the
     HF reader's host arrays of a layer are freed before the next layer is read, and the orbax reads ask for
     the per-layer shardings (each device reads its shard)."""
-    from kimi_jax import sharding
     seen = _live_host_bytes(monkeypatch)
     targets = []
     original_restore = checkpoint.restore_tree
@@ -361,7 +360,7 @@ def test_load_on_mesh_places_each_layer_on_its_shardings(k26, converted, source,
                         lambda path, target=None: (targets.append(target), original_restore(path, target))[1])
     path = k26["dir"] if source == "hf" else converted[0]
     model = kimi_jax.load(path, mesh="ep=4")
-    want = checkpoint.flat(sharding.param_shardings(model.config, model.mesh))
+    want = checkpoint.flat(param_shardings(model.config, model.mesh))
     got = checkpoint.flat(model.params)
     for k, s in want.items():
         assert got[k].sharding.is_equivalent_to(s, got[k].ndim), k
@@ -379,10 +378,9 @@ def test_load_on_mesh_places_each_layer_on_its_shardings(k26, converted, source,
 
 def test_full_k26_load_plan_on_8_devices():
     """The full model's load onto tp=8 / ep=8, planned without reading: per-device bytes and the host's one layer."""
-    from kimi_jax import sharding
     from kimi_jax.config import KIMI_K26
     mesh = jax.sharding.AbstractMesh((8,), ("ep",))
-    plan = checkpoint.load_plan(KIMI_K26, sharding.param_shardings(KIMI_K26, mesh))
+    plan = checkpoint.load_plan(KIMI_K26, param_shardings(KIMI_K26, mesh))
     total, layer = plan["total_bytes"], plan["host_layer_bytes"]
     assert 550e9 < total < 650e9                       # ~1.03T params: INT4 experts + bf16 rest
     assert plan["per_device_bytes"] < total / 7        # experts split 8 ways, attention TP over ep

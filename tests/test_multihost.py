@@ -44,6 +44,7 @@ def worker(process_id: int, port: int) -> None:
 
     import kimi_jax
     from kimi_jax import sharding as part
+    from kimi_jax.model.params import shard_params
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     mesh = part.make_mesh("tp=8")                        # spans both processes' devices
@@ -56,7 +57,7 @@ def worker(process_id: int, port: int) -> None:
     cfg = _cfg()
     # Every process builds the same host weights and contributes its own devices' shards.
     params = jax.device_get(_params(cfg))
-    sharded = part.shard_params(params, cfg, mesh, "tp")
+    sharded = shard_params(params, cfg, mesh, "tp")
     out = kimi_jax.Model(cfg, sharded, mesh=mesh).generate(PROMPTS, max_new_tokens=MAX_NEW, method="ar")
     print("TOKENS " + json.dumps(out.tokens), flush=True)
     jax.distributed.shutdown()

@@ -15,6 +15,7 @@ from kimi_jax.cache import init_cache
 from kimi_jax.config import KIMI_K26, TINY, Runtime
 from kimi_jax.model import moe, transformer
 from kimi_jax.model import params as params_lib
+from kimi_jax.model.params import param_partition_specs, param_shardings, shard_params
 
 # Tiny with 8 heads so every strategy can split them 8 ways; float experts (INT4's F=32 cannot be TP-split).
 CFG = TINY.replace(num_attention_heads=8)
@@ -45,7 +46,7 @@ def test_strategy_matches_one_device(strategy, params, reference):
     ref_tokens, ref_logits = reference
     mesh = part.make_mesh(MESHES[strategy])
     assert part.infer_strategy(mesh) == strategy
-    sharded = part.shard_params(params, CFG, mesh, strategy)
+    sharded = shard_params(params, CFG, mesh, strategy)
     # weights really are split: the routed experts of one device are a fraction of the whole
     gate = sharded["moe_layers"]["moe"]["experts"]["gate"]
     assert gate.addressable_shards[0].data.size < gate.size
@@ -60,7 +61,7 @@ def test_strategy_matches_one_device(strategy, params, reference):
 def test_tp_collectives_one_allreduce_per_block(params):
     """Under tp the compiled forward has 2 all-reduces per layer (attention, MoE/MLP) + 1 for the embedding."""
     mesh = part.make_mesh("tp=8")
-    sharded = part.shard_params(params, CFG, mesh)
+    sharded = shard_params(params, CFG, mesh)
     with part.mesh_context(mesh):
         hlo = _logits.lower(sharded, jnp.asarray(PROMPTS, jnp.int32), Runtime(mesh=mesh)).compile().as_text()
     c = hlo_collectives(hlo)["per_kind"]
@@ -70,7 +71,7 @@ def test_tp_collectives_one_allreduce_per_block(params):
 
 def test_strategy_tables_full_model():
     mesh = jax.sharding.AbstractMesh((8,), ("tp",))
-    specs = part.param_partition_specs(KIMI_K26, mesh, "tp")
+    specs = param_partition_specs(KIMI_K26, mesh, "tp")
     attn = specs["moe_layers"]["attn"]
     assert attn["q_b"] == P(None, None, "tp") and attn["o"] == P(None, "tp")
     assert attn["q_a"] == P() and attn["kv_a"] == P()                     # small projections replicated
@@ -78,14 +79,14 @@ def test_strategy_tables_full_model():
     assert ex.w13 == P(None, None, None, None, "tp") and ex.w2 == P(None, None, "tp")
     assert specs["lm_head"] == P(None, "tp") and specs["embed"] == P("tp")
     assert part.cache_sharding(KIMI_K26, mesh, "tp").kv.spec == P()      # latent cache replicated
-    ep = part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("ep",)), "ep")
+    ep = param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("ep",)), "ep")
     assert ep["moe_layers"]["moe"]["experts"].w13 == P(None, "ep")
-    tpep = part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((4, 2), ("tp", "ep")), "tp_ep")
+    tpep = param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((4, 2), ("tp", "ep")), "tp_ep")
     assert tpep["moe_layers"]["moe"]["experts"].w13 == P(None, "ep", None, None, "tp")
     assert tpep["moe_layers"]["attn"]["q_b"] == P(None, None, ("tp", "ep"))
     dp = jax.sharding.AbstractMesh((8,), ("dp",))
     assert part.cache_sharding(KIMI_K26, dp, "dp_attn").kv.spec == P(None, "dp")
-    assert part.param_partition_specs(KIMI_K26, dp, "dp_attn")["moe_layers"]["attn"]["q_b"] == P()
+    assert param_partition_specs(KIMI_K26, dp, "dp_attn")["moe_layers"]["attn"]["q_b"] == P()
 
 
 def test_make_mesh_parsing():
@@ -99,24 +100,24 @@ def test_make_mesh_parsing():
 
 def test_bad_meshes_name_axis_sizes_and_fix():
     with pytest.raises(part.ShardingError, match=r"'heads' has size 4.*tp of size 8.*tp size divides the attention"):
-        part.param_shardings(TINY, part.make_mesh("tp=8"))                # TINY has 4 heads
+        param_shardings(TINY, part.make_mesh("tp=8"))                # TINY has 4 heads
     ep32 = jax.sharding.AbstractMesh((32,), ("ep",))
     with pytest.raises(part.ShardingError, match=r"'experts' has size 16.*ep of size 32.*ep size divides the routed"):
-        part.param_partition_specs(CFG.replace(num_attention_heads=32), ep32, "ep")
+        param_partition_specs(CFG.replace(num_attention_heads=32), ep32, "ep")
     with pytest.raises(part.ShardingError, match=r"INT4 experts.*multiple of 256"):
-        part.param_shardings(TINY.replace(num_attention_heads=8, int4_experts=True), part.make_mesh("tp=8"))
+        param_shardings(TINY.replace(num_attention_heads=8, int4_experts=True), part.make_mesh("tp=8"))
     # INT4 slices of 64 cannot split over any axis that carries expert_mlp; the error names that axis (dp here)
     # and the meshes that work: whole experts over ep, as long as ep divides the 4 heads.
     with pytest.raises(part.ShardingError, match=r"dp_attn splits .* over dp = 2 .*This model fits: ep=2, ep=4$"):
-        part.param_shardings(TINY.replace(int4_experts=True), part.make_mesh("dp=2"))
+        param_shardings(TINY.replace(int4_experts=True), part.make_mesh("dp=2"))
     with pytest.raises(part.ShardingError, match=r"batch 3 is not divisible.*size 2"):
         part.cache_sharding(CFG, part.make_mesh("dp=2,tp=4"), batch=3)
     with pytest.raises(part.ShardingError, match="unknown sharding strategy"):
-        part.param_shardings(CFG, part.make_mesh("tp=8"), "zz")
+        param_shardings(CFG, part.make_mesh("tp=8"), "zz")
     # K2.6 INT4 experts: F = 2048 splits 8 ways (256 each) but not 16 ways
-    part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("tp",)), "tp")
+    param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((8,), ("tp",)), "tp")
     with pytest.raises(part.ShardingError, match="INT4"):
-        part.param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((16,), ("tp",)), "tp")
+        param_partition_specs(KIMI_K26, jax.sharding.AbstractMesh((16,), ("tp",)), "tp")
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     from kimi_jax.decoding import drafter as dflash
     ref_tokens, _ = reference
     mesh = part.make_mesh("tp=8")
-    sharded = part.shard_params(params, CFG, mesh, "dcp")
+    sharded = shard_params(params, CFG, mesh, "dcp")
     dcfg = dflash.DrafterConfig(hidden_size=CFG.hidden_size, num_hidden_layers=1, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=CFG.vocab_size,
                                 block_size=4, mask_token_id=255, target_layer_ids=(0, 2))
@@ -164,7 +165,7 @@ def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, referen
     """The Pallas tree-attention kernel under a mesh runs in shard_map on each device's own heads
     (mla._tree_on_local_heads; interpret mode on this CPU): the logits of one device, to rounding."""
     mesh = part.make_mesh(MESHES[strategy])
-    sharded = part.shard_params(params, CFG, mesh, strategy)
+    sharded = shard_params(params, CFG, mesh, strategy)
     tokens = jax.device_put(jnp.asarray(PROMPTS, jnp.int32), part.batch_sharding(mesh, strategy))
     rt = Runtime(mesh=mesh, strategy=strategy, attn_impl="pallas")
     with part.mesh_context(mesh):

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kimi_jax import sharding as part
 from kimi_jax.analysis import sweep
 from kimi_jax.analysis.hlo import hlo_collectives
 from kimi_jax.config import KIMI_K26
-from kimi_jax.model.params import abstract_params
+from kimi_jax.model.params import abstract_params, param_partition_specs
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def test_one_cell_under_a_minute(tp_cell):
 
 def test_tp_weight_bytes_are_checkpoint_over_8_plus_replicated(tp_cell):
     mesh = jax.sharding.AbstractMesh((8,), ("tp",))
-    specs = part.param_partition_specs(KIMI_K26, mesh, "tp")
+    specs = param_partition_specs(KIMI_K26, mesh, "tp")
     abstract = jax.tree.leaves(abstract_params(KIMI_K26))
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     replicated = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, s in zip(abstract, flat_specs) if s == P())

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from kimi_jax import sharding as part
+from kimi_jax.model.params import abstract_sharded_params
 from kimi_jax.analysis import target_sweep, targets
 from kimi_jax.config import TINY
 from kimi_jax.decoding import drafter as dflash
@@ -27,7 +28,7 @@ def _cell(target, cell, split=None):
 
 def _expert_bytes_per_device():
     """One device's share of every MoE layer's routed experts under tp=4, from the abstract sharded weights."""
-    params = part.abstract_sharded_params(CFG, targets.compile_mesh("h200", 4, "tp=4"), "tp")
+    params = abstract_sharded_params(CFG, targets.compile_mesh("h200", 4, "tp=4"), "tp")
     return part.per_device_bytes(params["moe_layers"]["moe"]["experts"])
 
 

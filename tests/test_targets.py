@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax import sharding as part
+from kimi_jax.model.params import abstract_sharded_params
 from kimi_jax.analysis import targets
 from kimi_jax.analysis.targets import TRITON_CALL, TargetError
 from kimi_jax.config import KIMI_K26, TINY, Runtime
@@ -138,7 +139,7 @@ def k26_experts_slice(strategy: str):
     """Shapes of the INT4 experts one device holds of one K2.6 layer under ``strategy`` over 8 devices, from the
     model's own sharding rules: tp splits each expert's intermediate (2048/8), ep whole experts (384/8)."""
     mesh = part.make_mesh(f"{strategy}={TP}")         # conftest's 8 CPU devices: only for the shard shapes
-    ex = part.abstract_sharded_params(KIMI_K26, mesh, strategy)["moe_layers"]["moe"]["experts"]
+    ex = abstract_sharded_params(KIMI_K26, mesh, strategy)["moe_layers"]["moe"]["experts"]
     return jax.tree.map(lambda a: (a.sharding.shard_shape(a.shape)[1:], a.dtype), ex)
 
 
@@ -245,7 +246,7 @@ def test_forward_compiles_for_tpu(cfg, axes, strategy):
 
     mesh = targets.compile_mesh("v5e", 4, axes)
     assert {d.device_kind for d in mesh.devices.flat} == {"TPU v5 lite"}
-    params = part.abstract_sharded_params(cfg, mesh, strategy)
+    params = abstract_sharded_params(cfg, mesh, strategy)
     cs = part.cache_sharding(cfg, mesh, strategy, batch=2)
     sds = jax.ShapeDtypeStruct
     cache = KVCache(kv=sds((cfg.num_hidden_layers, 2, 256, cfg.latent_dim), jnp.bfloat16, sharding=cs.kv),

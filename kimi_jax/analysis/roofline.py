@@ -534,6 +534,15 @@ def design_projection(hardware=DESIGN_HARDWARE, widths=DESIGN_WIDTHS, *, config:
     return out
 
 
+def projected_costs(hardware: str, widths, context: int = 4096):
+    """What the auto policy's cost table (``kimi_jax.decoding.costs``) would hold for full K2.6 + its 6-layer
+    DFlash drafter on 8 chips of ``hardware`` (TP-8), from this roofline: seconds per round at each tree width
+    (width w verifies w + 1 tokens; width 0 is plain AR), monotone in the width as measured tables are."""
+    from kimi_jax.decoding.costs import monotone
+    rows = design_projection((hardware,), widths=tuple(w + 1 for w in widths), context=context)
+    return monotone([r.total_s for r in next(iter(rows.values()))])
+
+
 def format_design_table(proj: dict[str, list[RoundEstimate]], widths=DESIGN_WIDTHS, taus=DESIGN_TAUS) -> str:
     """Per hardware: rows = verify width; columns = GB/device, ms of bytes/FLOP work, collectives, kernel
     tails, round time, FLOP-bound components (first one + how many more), tok/s at each tau (blank where

@@ -90,6 +90,7 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
     from kimi_jax.analysis.hlo import hlo_collectives
     from kimi_jax.cache import KVCache
     from kimi_jax.config import KIMI_K26, Runtime
+    from kimi_jax.model.params import abstract_sharded_params
 
     cfg = cfg or KIMI_K26
     row = dict(dataclasses.asdict(cell), mesh=part.default_mesh_spec(cell.strategy, cell.devices), status="ok")
@@ -97,7 +98,7 @@ def run_cell(cell: Cell, cfg=None, compile_context: int = COMPILE_CONTEXT) -> di
         return {**row, "status": f"n/a: needs {cell.devices} devices, {len(jax.devices())} visible"}
     try:
         mesh = part.make_mesh(row["mesh"])
-        params = part.abstract_sharded_params(cfg, mesh, cell.strategy)
+        params = abstract_sharded_params(cfg, mesh, cell.strategy)
         cs = part.cache_sharding(cfg, mesh, cell.strategy, batch=cell.batch)
     except part.ShardingError as e:
         return {**row, "status": f"n/a: {e}"}

@@ -35,6 +35,7 @@ import time
 import jax
 
 from kimi_jax import sharding as part
+from kimi_jax.model.params import abstract_sharded_params, param_shardings
 from kimi_jax.analysis import targets, thunks
 
 STRATEGIES = tuple(part.STRATEGIES)
@@ -91,7 +92,7 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     # the weights in the layout kimi_jax runs on the mesh's platform (per-layer buffers on GPUs)
     if split is None:
         split = own_buffers(cfg.num_hidden_layers, mesh.devices.flat[0].platform, sharded=True)
-    params = split_stacks(part.abstract_sharded_params(cfg, mesh, strategy), split=split)
+    params = split_stacks(abstract_sharded_params(cfg, mesh, strategy), split=split)
     rep = part.replicated(mesh)
     dparams = None if dcfg is None else dflash.compute_params(jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),
@@ -138,7 +139,7 @@ def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: 
     try:
         mesh = targets.compile_mesh(t, devices, mesh_spec)
         part.cache_sharding(cfg, mesh, cell.strategy, batch=cell.batch)     # batch / axis checks
-        part.param_shardings(cfg, mesh, cell.strategy)
+        param_shardings(cfg, mesh, cell.strategy)
     except part.ShardingError as e:
         return {**row, "status": f"n/a: {e}"}
     # Spills are not errors here: XLA's own fusions may spill a few bytes (tp_ep's DDTree round on H200: 12 bytes

@@ -115,11 +115,3 @@ def save(key: str, table, widths) -> str:
                    "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M")}, f)
     os.replace(tmp, path)
     return path
-
-
-def projected_seconds(hardware: str, widths, context: int = 4096) -> np.ndarray:
-    """What the table would hold for full K2.6 + its 6-layer DFlash drafter on 8 chips of `hardware` (TP-8),
-    from the analytical roofline (kimi_jax.analysis.roofline; width w verifies w + 1 tokens, width 0 is plain AR)."""
-    from kimi_jax.analysis.roofline import design_projection
-    rows = design_projection((hardware,), widths=tuple(w + 1 for w in widths), context=context)
-    return monotone([r.total_s for r in next(iter(rows.values()))])

@@ -1,8 +1,9 @@
 """Every weight of the K2.6 decoder, declared once: shape, logical axes, init, dtype (``param_specs``).
 
-Initialisation, abstract shapes for AOT compilation, sharding (``kimi_jax.sharding``), checkpoint checks and
-the HF name table (``kimi_jax.weights.hf``) all derive from this table. Layers of one kind are stacked on a
-leading axis (``dense_layers``, ``moe_layers``) so that the forward scans them.
+Initialisation, abstract shapes for AOT compilation, the weights' shardings on a mesh (``param_shardings``: the
+table's logical axes through a ``kimi_jax.sharding`` strategy), checkpoint checks and the HF name table
+(``kimi_jax.weights.hf``) all derive from this table. Layers of one kind are stacked on a leading axis
+(``dense_layers``, ``moe_layers``) so that the forward scans them.
 
 Linear weights are stored input-major ([in, out], y = x @ W), the transpose of HF's [out, in]; per-head
 projections keep the head axis explicit (q_b [q_lora, heads, qk_head_dim], kv_b [kv_lora, heads, nope + v],
@@ -12,11 +13,14 @@ o [heads, v, hidden]) so the absorbed attention can slice W_UK and W_UV without 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from kimi_jax import sharding
 from kimi_jax.config import ModelConfig
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, Int4Experts
 
@@ -153,3 +157,84 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
         return jax.tree.unflatten(treedef, [one(s, k) for s, k in zip(specs, keys)])
 
     return init(key)
+
+
+# ---- on a mesh ------------------------------------------------------------------------------------------------
+
+def _spec_leaves(cfg: ModelConfig):
+    specs = param_specs(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    return specs, flat, treedef
+
+
+def _partition_specs(cfg: ModelConfig, mesh: Mesh, st: sharding.Strategy) -> Any:
+    _, flat, treedef = _spec_leaves(cfg)
+    out = []
+    for path, s in flat:
+        spec = sharding.logical_to_spec(s.axes, mesh, st)
+        sharding.check_divides(jax.tree_util.keystr(path), s.shape, s.axes, spec, mesh)
+        out.append(spec)
+    _check_int4(cfg, mesh, st)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _check_int4(cfg: ModelConfig, mesh: Mesh, st: sharding.Strategy):
+    if not cfg.int4_experts:
+        return
+    axes = st.mesh_axes("expert_mlp", mesh)
+    n = sharding.axis_size(mesh, axes)
+    if n > 1:
+        fp = -(-cfg.moe_intermediate_size // CHUNK) * CHUNK
+        if fp % n or (fp // n) % CHUNK:
+            raise sharding.ShardingError(
+                f"mesh {sharding.format_mesh(mesh)}: strategy {st.name} splits the INT4 experts' intermediate size "
+                f"({cfg.moe_intermediate_size}, padded to {fp}) over {'x'.join(axes)} = {n} devices, but the INT4 "
+                f"kernel needs each device's slice to be a multiple of {CHUNK} (expert intermediate >= "
+                f"{CHUNK * n}); split whole experts instead (ep) or use float experts")
+
+
+def fitting_meshes(cfg: ModelConfig, device_counts=(2, 4, 8)) -> list[str]:
+    """Each strategy's default mesh at these device counts, where it shards this model."""
+    fits = []
+    for n in device_counts:
+        for name in sharding.STRATEGIES:
+            axes = sharding.parse_mesh(sharding.default_mesh_spec(name, n))
+            spec = sharding.format_mesh({k: v for k, v in axes.items() if v > 1} or axes)
+            if spec in fits:
+                continue
+            mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
+            try:
+                _partition_specs(cfg, mesh, sharding.STRATEGIES[name])
+            except sharding.ShardingError:
+                continue
+            fits.append(spec)
+    return fits
+
+
+def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | sharding.Strategy) -> Any:
+    """PartitionSpec of every weight (same tree as ``param_specs``), checking that the mesh divides them; when it
+    does not, the error also lists the meshes of 2-8 devices that do fit."""
+    try:
+        return _partition_specs(cfg, mesh, sharding.get_strategy(strategy))
+    except sharding.ShardingError as e:
+        fits = ", ".join(fitting_meshes(cfg)) or "no mesh of 2, 4 or 8 devices"
+        raise sharding.ShardingError(f"{e}. This model fits: {fits}") from None
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, strategy: str | sharding.Strategy | None = None) -> Any:
+    """NamedSharding of every weight, the same pytree as ``param_specs(cfg)`` / the params."""
+    strategy = strategy or sharding.infer_strategy(mesh)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_partition_specs(cfg, mesh, strategy),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, strategy: str | sharding.Strategy | None = None):
+    """Place a params pytree (numpy or jax arrays, identical on every process) onto the mesh."""
+    return jax.tree.map(sharding.place, params, param_shardings(cfg, mesh, strategy))
+
+
+def abstract_sharded_params(cfg: ModelConfig, mesh: Mesh, strategy: str | sharding.Strategy | None = None,
+                            dtype=jnp.bfloat16):
+    """ShapeDtypeStructs with shardings: AOT lowering of the sharded model without allocating weights."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params(cfg, dtype), param_shardings(cfg, mesh, strategy))
