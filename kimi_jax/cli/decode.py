@@ -14,6 +14,7 @@ import pathlib
 import sys
 
 from kimi_jax import fields
+from kimi_jax.cli import cluster
 from kimi_jax.cli.exits import exit_with, run_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -53,12 +54,14 @@ def _parse(argv):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8 (across processes: over all of their devices)")
     p.add_argument("--stream", action="store_true", help="print text as each chunk of rounds is accepted")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stats)")
     p.add_argument("--verify", action="store_true",
                    help="checksum every weight file against the checkpoint's manifest (sizes are always checked)")
+    cluster.add_arguments(p)
     args = p.parse_args(argv)
+    cluster.check_arguments(p, args)
     args.budget = parse_budget(p, args.budget)
     # the API's own checks, before anything is loaded
     fields.check(max_new_tokens=args.max_new_tokens, method=args.method, budget=args.budget,
@@ -122,10 +125,12 @@ def read_prompt(args) -> str:
 
 def run(argv=None) -> int:
     args = _parse(argv)
-    prompt = read_prompt(args)
+    if args.coordinator is not None:    # first: a process that fails after joining ends the others
+        cluster.join(args, "kimi_jax.decode")
+    prompt = read_prompt(args)          # before JAX loads, unless joining loaded it
+    cluster.join(args, "kimi_jax.decode")
     persistent_compile_cache()
     import kimi_jax
-    from kimi_jax.text.tokenizer import StreamDecoder
 
     drafter = drafter_dir(args)
     model = kimi_jax.load(args.checkpoint, drafter=drafter, mesh=args.mesh, verify=args.verify or None)
@@ -134,6 +139,16 @@ def run(argv=None) -> int:
     method = args.method or ("ddtree" if model.drafter is not None else "ar")
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
               temperature=args.temperature, seed=args.seed)
+    with cluster.quiet_unless_leader():     # every process runs the program; process 0 prints
+        result = _generate(model, prompt, method, kw, args)
+    if result is not None and cluster.leader():
+        print(_stats_line(result.stats), file=sys.stderr)
+    return 0
+
+
+def _generate(model, prompt, method, kw, args):
+    """Generate and print the text (or the JSON object); -> the Generation whose stats line follows, or None."""
+    from kimi_jax.text.tokenizer import StreamDecoder
 
     if args.stream and not args.json:
         sys.stdout.write(prompt)
@@ -150,10 +165,9 @@ def run(argv=None) -> int:
         if args.json:
             print(json.dumps({"prompt": prompt, "tokens": result.tokens[0], "text": result.text[0],
                               "method": method, "stats": {k: v for k, v in result.stats.items()}}))
-            return 0
+            return None
         print(prompt + result.text[0])
-    print(_stats_line(result.stats), file=sys.stderr)
-    return 0
+    return result
 
 
 def main(argv=None) -> int:

@@ -83,11 +83,13 @@ def stored_tree(path: str) -> dict:
     return meta.item_metadata.tree
 
 
-def restore_tree(path: str, target=None):
+def restore_tree(path: str, target=None, sharding: jax.sharding.Sharding | None = None):
     """Restore ``path``; ``target`` a tree of ShapeDtypeStructs (dtype to cast to, sharding to place onto), or
-    None for the stored shapes and dtypes on the default device."""
+    None for the stored shapes and dtypes, every leaf on ``sharding`` (default: this process's first device; in
+    a run across processes the global first device is process 0's alone)."""
     if target is None:
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored_tree(path))
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), stored_tree(path))
     return _orbax_read(path, lambda ckptr, where: ckptr.restore(where, target),
                        "the files are damaged or incomplete: ")
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.decoding.drafter import CONFIG_FILE, Drafter, DrafterConfig, DrafterError, param_shapes
+from kimi_jax.sharding import place
 from kimi_jax.weights.checkpoint import PARAMS_DIR, check_manifest, restore_tree, write_tree
 from kimi_jax.weights.hf import SafetensorsReader
 
@@ -38,8 +39,10 @@ def _from_hf_tensors(get, c: DrafterConfig) -> dict:
             "norm": np.asarray(get("norm.weight")), "layers": {k: np.stack(v) for k, v in layers.items()}}
 
 
-def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool | None = None) -> Drafter:
-    """Load a drafter (kimi_jax checkpoint or public DFlash layout) and check it fits the target."""
+def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool | None = None,
+                 sharding: jax.sharding.Sharding | None = None) -> Drafter:
+    """Load a drafter (kimi_jax checkpoint or public DFlash layout) and check it fits the target. ``sharding``:
+    where every weight goes (a mesh's replicated sharding; default this process's first device)."""
     if not os.path.isdir(path):
         raise DrafterError(f"drafter directory {path!r} does not exist")
     if os.path.exists(os.path.join(path, CONFIG_FILE)):
@@ -47,8 +50,8 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
             c = DrafterConfig.from_dict(json.load(f))
         c.check_target(target)
         check_manifest(os.path.abspath(path), verify)
-        params = restore_tree(os.path.join(path, PARAMS_DIR))
-        return Drafter(c, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+        params = restore_tree(os.path.join(path, PARAMS_DIR), sharding=sharding)
+        return Drafter(c, jax.tree.map(lambda x: x.astype(dtype), params))
     if not os.path.exists(os.path.join(path, "config.json")):
         raise DrafterError(f"{path} holds neither {CONFIG_FILE} nor a DFlash config.json")
     with open(os.path.join(path, "config.json")) as f:
@@ -57,7 +60,7 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
     reader = SafetensorsReader(path)
     params = _from_hf_tensors(reader.get, c)
     _check_shapes(params, param_shapes(c))
-    return Drafter(c, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+    return Drafter(c, jax.tree.map(lambda x: place(np.asarray(x, dtype), sharding), params))
 
 
 def _check_shapes(params, shapes):
