@@ -42,7 +42,7 @@ from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.compute_layout import compute_params, own_buffers
-from kimi_jax.model.params import param_shardings
+from kimi_jax.model.params import check_global_mesh, param_shardings
 from kimi_jax.model.transformer import chunked_forward, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
@@ -471,6 +471,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
         cfg = source.config
     else:
         raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
+    check_global_mesh(cfg, mesh)
     split = layers == "per-layer" if layers is not None else \
         own_buffers(cfg.num_hidden_layers, _platform(mesh), mesh is not None)
     shardings = None if mesh is None else param_shardings(cfg, mesh)
@@ -486,7 +487,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
             raise
     model = Model(cfg, params, tokenizer=tok, mesh=mesh, runtime=runtime)
     if drafter is not None:
-        model.drafter = load_drafter(drafter, cfg, verify=verify)
-        if mesh is not None:          # the drafter is small: replicated on every device of the mesh
-            model.drafter.params = jax.device_put(model.drafter.params, sharding.replicated(mesh))
+        # the drafter is small: replicated on every device of the mesh
+        model.drafter = load_drafter(drafter, cfg, verify=verify,
+                                     sharding=None if mesh is None else sharding.replicated(mesh))
     return model

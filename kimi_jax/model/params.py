@@ -211,6 +211,18 @@ def fitting_meshes(cfg: ModelConfig, device_counts=(2, 4, 8)) -> list[str]:
     return fits
 
 
+def check_global_mesh(cfg: ModelConfig, mesh: Mesh | None) -> None:
+    """A run across processes computes on every process's devices: a mesh that leaves some out (or no mesh: one
+    device) is a ShardingError naming the meshes over all of them that fit this model."""
+    n = jax.device_count()
+    if jax.process_count() == 1 or (mesh is not None and mesh.size == n):
+        return
+    fits = ", ".join(fitting_meshes(cfg, (n,))) or f"no mesh of {n} devices"
+    have = "no mesh is given" if mesh is None else f"mesh {sharding.format_mesh(mesh)} covers {mesh.size}"
+    raise sharding.ShardingError(f"a run across {jax.process_count()} processes computes on all of their {n} "
+                                 f"devices, but {have}; this model fits: {fits}")
+
+
 def param_partition_specs(cfg: ModelConfig, mesh: Mesh, strategy: str | sharding.Strategy) -> Any:
     """PartitionSpec of every weight (same tree as ``param_specs``), checking that the mesh divides them; when it
     does not, the error also lists the meshes of 2-8 devices that do fit."""
