@@ -1,4 +1,6 @@
-"""Two local processes x 4 CPU devices form one 8-device mesh (jax.distributed) and decode like one process.
+"""Two local processes x 4 CPU devices form one 8-device mesh (jax.distributed) and decode like one process;
+``python -m kimi_jax.decode`` joins such a run from its flags (``kimi_jax.cli.cluster``), and a process that dies
+ends the others instead of leaving them in a collective.
 
 Run as a worker: ``python tests/test_multihost.py WORKER PROCESS_ID PORT`` (what the test launches twice).
 The worker first checks that a cross-process psum works (the CPU backend needs gloo collectives); if that
@@ -7,9 +9,11 @@ fails, the test skips with the reason instead of failing.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -101,6 +105,94 @@ def test_two_processes_same_tokens_as_one():
         assert p.returncode == 0, f"process {i} failed:\n{o[-3000:]}"
         line = next(ln for ln in o.splitlines() if ln.startswith("TOKENS "))
         assert json.loads(line[len("TOKENS "):]) == ref, f"process {i} decoded differently from one process"
+
+
+# ---- the decode command across processes ----------------------------------------------------------------------
+
+HEARTBEAT_S = 5
+
+
+def _decode_processes(n: int, devices_each: int, *flags, tmp_path):
+    """``n`` processes of ``python -m kimi_jax.decode`` joined on a local coordinator, ``devices_each`` CPU devices
+    each -> (processes, their stdout paths, their stderr paths)."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"}
+    procs, outs, errs = [], [], []
+    for i in range(n):
+        outs.append(tmp_path / f"out{i}.txt")
+        errs.append(tmp_path / f"err{i}.txt")
+        with open(outs[-1], "w") as out, open(errs[-1], "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kimi_jax.decode", "--coordinator", f"localhost:{port}", "--num-processes",
+                 str(n), "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S), *flags],
+                cwd=ROOT, env=env, stdout=out, stderr=err))
+    return procs, outs, errs
+
+
+def _wait_all(procs, errs, timeout):
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("a process hung:\n" + "\n".join(f"--- {i}:\n{e.read_text()[-1500:]}" for i, e in enumerate(errs)))
+
+
+@pytest.mark.parametrize("n,devices_each", [(2, 2), (4, 1)])
+def test_decode_command_across_processes_prints_what_one_process_decodes(n, devices_each, tmp_path):
+    """Every process runs the program on its devices of a global ep=4 mesh; process 0 prints the tokens one
+    process decodes greedily (plain AR, here in this process), the others print nothing; all exit 0."""
+    import kimi_jax
+    from kimi_jax.cli.decode import DEFAULT_DRAFTER, DEFAULT_PROMPT, DEFAULT_TARGET
+
+    procs, outs, errs = _decode_processes(n, devices_each, "--mesh", "ep=4", "--budget", "8",
+                                          "--max-new-tokens", "24", "--json", tmp_path=tmp_path)
+    ref = kimi_jax.load(str(DEFAULT_TARGET), drafter=str(DEFAULT_DRAFTER)).generate(
+        DEFAULT_PROMPT, max_new_tokens=24, method="ar").tokens[0]
+    codes = _wait_all(procs, errs, timeout=300)
+    assert codes == [0] * n, [e.read_text()[-1500:] for e in errs]
+    assert json.loads(outs[0].read_text())["tokens"] == ref
+    assert all(o.read_text() == "" for o in outs[1:])
+    for i, e in enumerate(errs):
+        assert f"process {i} of {n} joined ({devices_each} of 4 cpu devices here)" in e.read_text()
+
+
+def test_a_killed_follower_ends_the_run(tmp_path):
+    """SIGKILL to process 1 mid-run: process 0 ends with a failure status within the heartbeat timeout (plus
+    the time to notice), not in a collective for good."""
+    procs, outs, errs = _decode_processes(2, 2, "--mesh", "ep=4", "--budget", "8", "--max-new-tokens", "900",
+                                          tmp_path=tmp_path)
+    deadline = time.monotonic() + 120
+    while "joined" not in errs[1].read_text():
+        assert time.monotonic() < deadline and procs[1].poll() is None, errs[1].read_text()[-1500:]
+        time.sleep(0.2)
+    time.sleep(2)                   # into loading and compiling
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    code = _wait_all(procs[:1], errs, timeout=HEARTBEAT_S + 60)[0]
+    assert code != 0 and time.monotonic() - t0 < HEARTBEAT_S + 60
+    assert "stopped sending heartbeats" in errs[0].read_text()
+    procs[1].wait()
+
+
+def test_a_mesh_that_leaves_devices_out_is_one_line_naming_what_fits(tmp_path):
+    procs, outs, errs = _decode_processes(2, 2, "--mesh", "ep=2", tmp_path=tmp_path)
+    codes = _wait_all(procs, errs, timeout=120)
+    assert codes[0] == 1 and codes[1] != 0
+    assert ("kimi_jax.decode: error: a run across 2 processes computes on all of their 4 devices, but mesh ep=2 "
+            "covers 2; this model fits: ep=4") in errs[0].read_text().splitlines()
+
+
+def test_the_flags_go_together(capsys):
+    from kimi_jax.cli.decode import main
+    with pytest.raises(SystemExit) as e:
+        main(["--coordinator", "localhost:1234", "--num-processes", "2"])
+    assert e.value.code == 2
+    assert "--coordinator, --num-processes and --process-id go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"])
+    assert "--process-id must be in [0, 2), got 2" in capsys.readouterr().err
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "WORKER":
