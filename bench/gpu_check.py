@@ -296,8 +296,8 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.int4_moe.api import int4_moe
     from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
     from kimi_jax.ops.int4_moe.reference import int4_moe_reference
-    from kimi_jax.ops.tree_attention.api import latent_attention
-    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
+    from kimi_jax.ops import registry
+    from kimi_jax.ops.tree_attention.api import TREE_ATTENTION, AttentionCall, latent_attention
     from kimi_jax.ops.tree_attention.reference import dense_reference
 
     on_gpu, interpret = ctx["on_gpu"], not ctx["on_gpu"]
@@ -350,7 +350,9 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
         scale = float((r // 4 + p) ** -0.5)
         ref = np.asarray(ref_fn(q, qpe, rows_view(kv, table), lengths, mask, scale=scale))
         outs = {}
-        for impl in ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, page, dtype) else ()):
+        call = AttentionCall(b, t, h, r, p, s, page, jnp.dtype(dtype).name)
+        mosaic_takes = TREE_ATTENTION.refusal("mosaic", call, registry.gpu(not on_gpu)) is None
+        for impl in ("pallas", "xla") + (("mosaic",) if mosaic_takes else ()):
             row = dict(kernel="tree_attention", case=name, impl=impl, batch=b, width=t, heads=h, kv_lora=r, rope=p,
                        slots=s, page_size=page, lengths=np.asarray(lengths).tolist(), dtype=jnp.dtype(dtype).name,
                        tol=tolerance(dtype, on_gpu))
@@ -494,8 +496,8 @@ def _ragged_moe(ragged_dot, e, sort_by_expert, combine, weights, x, idx, wt):
 
 
 def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
-    from kimi_jax.ops.tree_attention.api import latent_attention
-    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
+    from kimi_jax.ops import registry
+    from kimi_jax.ops.tree_attention.api import TREE_ATTENTION, AttentionCall, latent_attention
 
     h, r, p = plan.attn_dims
     interpret, n = not ctx["on_gpu"], plan.chain
@@ -522,7 +524,9 @@ def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
             mask = jnp.stack([tree_mask(rng, 1, t) for _ in range(n)])
             need = (s - t - 1) * (r + p) * itemsize
             row = dict(slots=s, width=t, lengths=s - t - 1, bytes_per_call=need, input_sets=n_sets)
-            impls = ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, 0, plan.attn_dtype) else ())
+            call = AttentionCall(1, t, h, r, p, s, 0, jnp.dtype(plan.attn_dtype).name)
+            mosaic_takes = TREE_ATTENTION.refusal("mosaic", call, registry.gpu(interpret)) is None
+            impls = ("pallas", "xla") + (("mosaic",) if mosaic_takes else ())
             for impl in impls:
                 op = functools.partial(latent_attention, scale=scale, impl=impl,
                                        interpret=interpret if impl != "xla" else None)
