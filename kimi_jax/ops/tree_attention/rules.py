@@ -47,6 +47,10 @@ def _pow2_at_least(v: int, lo: int) -> bool:
 def pallas_supports(call: AttentionCall, lowering: Lowering) -> str | None:
     if call.tokens > MAX_TREE_TOKENS:
         return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
+    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
+        # deviceless compiles, latent 128-512: register spills on H100 and B200, over the shared memory on the
+        # RTX PRO 6000 (tests/test_kernel_shapes.py)
+        return f"compiled, the Triton kernel takes a 16-bit cache (a 32-bit one spills registers), got {call.dtype}"
     if call.page and not _pow2_at_least(call.page, MIN_DOT):
         return f"the Triton kernel needs a page size that is a power of two >= {MIN_DOT}, got {call.page}"
     for name in ("block_q", "block_k"):
@@ -92,7 +96,7 @@ TREE_ATTENTION = Op("tree attention", (
                    "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; block_q = block_k = 64; compiled (TMA): "
                    "query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
     Implementation("pallas", pallas_supports,
-                   "any GPU (interpret mode elsewhere); t <= 256; pages of a power of two >= 16 slots; block_q, "
-                   "block_k powers of two >= 16"),
+                   "any GPU (interpret mode elsewhere); t <= 256; compiled: a 16-bit cache; pages of a power of two "
+                   ">= 16 slots; block_q, block_k powers of two >= 16"),
     Implementation("xla", always, "every call"),
 ))
