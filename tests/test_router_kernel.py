@@ -74,9 +74,10 @@ def test_ties_go_to_the_lowest_id():
 
 def test_refusals():
     gpu = Lowering("cuda", targets.get_target("h200").device_kind)
-    assert pallas_supports(RouterCall(**K26), gpu) is None
-    assert pallas_supports(RouterCall(7168, 384, 6), gpu) is not None
-    assert pallas_supports(RouterCall(7168, 100, 8), gpu) is not None
+    assert pallas_supports(RouterCall(**K26, dtype="bfloat16"), gpu) is None
+    assert pallas_supports(RouterCall(7168, 384, 6, "bfloat16"), gpu) is not None
+    assert pallas_supports(RouterCall(7168, 100, 8, "bfloat16"), gpu) is not None
+    assert pallas_supports(RouterCall(**K26, dtype="float32"), gpu) is not None
     x, w, bias = _inputs(2, 64, 24, seed=0)
     with pytest.raises(ValueError, match="multiples of 16"):
         route_topk(x, w, bias, k=2, impl="pallas", **KW)

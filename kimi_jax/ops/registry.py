@@ -70,15 +70,17 @@ _OPS: dict[str, "Op"] = {}
 @dataclasses.dataclass(frozen=True)
 class Lowering:
     """What a call is lowered for: ``platform`` "cuda" or another ("cpu", "tpu", "default": whatever is not
-    cuda), the GPU's ``device_kind`` as jax reports it (None: a cuda lowering with no GPU known), and whether the
-    kernels run in interpret mode (then the architecture rules do not apply: the kernel's code runs as HLO)."""
+    cuda), the GPU's ``device_kind`` as jax reports it, and whether the kernels run in interpret mode (then the
+    compiler's rules do not apply: the kernel's code runs as HLO). A cuda lowering with no GPU known is the cuda
+    branch of a program lowered for another platform: traced, never compiled (Pallas lowers for a GPU only
+    where one is known: ``select.lowering_gpu``)."""
     platform: str
     device_kind: str | None = None
     interpret: bool = False
 
     @property
     def compiles_for_gpu(self) -> bool:
-        return self.platform == "cuda" and not self.interpret
+        return self.platform == "cuda" and self.device_kind is not None and not self.interpret
 
 
 def gpu(interpret: bool = False) -> Lowering:

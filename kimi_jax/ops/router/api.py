@@ -17,6 +17,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from kimi_jax.ops.router.pallas_triton import Tiles, block, route_pallas
 from kimi_jax.ops.router.reference import route_reference
@@ -26,14 +27,19 @@ from kimi_jax.ops.registry import Implementation, Lowering, Op, always
 @dataclasses.dataclass(frozen=True)
 class RouterCall:
     """The static facts of a ``route_topk`` call that the implementations' rules read: x [T, d] over e experts,
-    top-k."""
+    top-k, in ``dtype`` (x's and the router's promoted)."""
     d: int
     e: int
     k: int
+    dtype: str
 
 
 def pallas_supports(call: RouterCall, lowering: Lowering) -> str | None:
     """Why the Triton kernels cannot route the call (None: they can)."""
+    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
+        # deviceless compile at K2.6's d = 7168, e = 384: 288 KiB of shared memory asked on H100 (tests/
+        # test_kernel_shapes.py)
+        return f"compiled, the router kernels take 16-bit inputs (32-bit tiles exceed shared memory), got {call.dtype}"
     if block(call.d, Tiles.block_k) is None or block(call.e, Tiles.block_e) is None:
         return f"d={call.d} and e={call.e} must be multiples of 16"
     if call.k & (call.k - 1) or call.k > call.e:
@@ -43,7 +49,8 @@ def pallas_supports(call: RouterCall, lowering: Lowering) -> str | None:
 
 ROUTER = Op("router", (
     Implementation("pallas", pallas_supports,
-                   "any GPU (interpret mode elsewhere); d and e multiples of 16; k a power of two <= e"),
+                   "any GPU (interpret mode elsewhere); compiled: 16-bit inputs; d and e multiples of 16; k a "
+                   "power of two <= e"),
     Implementation("xla", always, "every call"),
 ), stand_ins=(("mosaic", "pallas"),))
 
@@ -65,5 +72,6 @@ def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float,
 
         return kernel(x, router, bias)
 
-    return ROUTER.dispatch(RouterCall(x.shape[1], router.shape[1], k), (x, router, bias), impl=impl,
+    call = RouterCall(x.shape[1], router.shape[1], k, jnp.promote_types(x.dtype, router.dtype).name)
+    return ROUTER.dispatch(call, (x, router, bias), impl=impl,
                            interpret=interpret, run={"pallas": pallas, "xla": reference})

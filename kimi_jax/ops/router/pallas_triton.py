@@ -43,6 +43,10 @@ class Tiles:
     splits: int = 14          # K2.6: 7168 / 256 = 28 chunks, 2 per program
     num_warps: int = 4
     num_stages: int = 3
+    # The top-k kernel's: its [block_t, E] float32 scores and choices live in registers; at 4 warps it spilled
+    # where T is a whole number of full token blocks (T = 16 on H100, H200 and the RTX PRO 6000: no masked rows,
+    # so all 14 split partials were loaded at once; tests/test_kernel_shapes.py)
+    topk_num_warps: int = 8
 
 
 # Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000, ~99 KiB of shared memory per block)
@@ -135,7 +139,7 @@ def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: floa
                   pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((bt, k), lambda i: (i, 0)), pl.BlockSpec((bt, k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), F32)],
-        compiler_params=params,
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.topk_num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="router_topk",
     )(partial, bias)
