@@ -12,7 +12,7 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    tolerance per dtype, and ok = error <= tolerance. The INT4 MoE's bf16 cases also run the Mosaic GPU kernel
    ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, what "auto" runs on Hopper), and so do the tree attention's bf16
    cases whose dims it takes (rope 64, latent and page size multiples of 64): impl="mosaic"
-   (``ops/tree_attention/mosaic_gpu.py``, not chosen by "auto": ``kimi_jax/ops/select.py``).
+   (``ops/tree_attention/mosaic_gpu.py``, "auto" on Hopper where its rules take the call: ``kimi_jax/ops/registry.py``).
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
    group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel

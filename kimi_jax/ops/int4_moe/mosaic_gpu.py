@@ -4,7 +4,7 @@
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
 contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``, which
 saves that gather: Hopper's TMA copies boxes, it does not gather rows). ``int4_moe_mosaic`` is the whole layer
-(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.select``).
+(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.registry``).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and

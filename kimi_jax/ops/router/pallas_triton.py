@@ -108,7 +108,7 @@ def _topk_kernel(p_ref, b_ref, ids_ref, w_ref, *, n_cols: int, block_e: int, k: 
 def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, interpret: bool,
                  tiles: Tiles | None = None):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32); shapes as
-    ``api.kernel_refusal`` accepts. ``tiles``: None picks them for the GPU being lowered for
+    ``api.pallas_supports`` accepts. ``tiles``: None picks them for the GPU being lowered for
     (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     t, d = x.shape
