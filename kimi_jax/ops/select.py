@@ -43,9 +43,9 @@ def mosaic_interpret_params(interpret):
 
 
 def mosaic_lowering(interpret: bool) -> None:
-    """impl="mosaic" is not chosen through ``registry.Op.dispatch``'s platform_dependent (the GPU interpreter's io_callbacks
-    are effects, which one branch of a cond cannot have alone): the program must be lowered for a GPU (the one
-    Pallas lowers for, ``lowering_gpu``) or run in GPU interpret mode."""
+    """impl="mosaic" is not chosen through ``registry.Op.dispatch``'s platform_dependent (the GPU interpreter's
+    io_callbacks are effects, which one branch of a cond cannot have alone): the program must be lowered for a GPU
+    (the one Pallas lowers for, ``lowering_gpu``) or run in GPU interpret mode."""
     if not interpret and lowering_gpu() is None:
         raise ValueError('impl="mosaic" is lowered for a GPU (jax.set_mesh of a GPU mesh, or a process with a GPU), '
                          "or runs with interpret=True (GPU interpret mode)")

@@ -93,8 +93,8 @@ def mosaic_supports(call: AttentionCall, lowering: Lowering) -> str | None:
 TREE_ATTENTION = Op("tree attention", (
     Implementation("mosaic", mosaic_supports,
                    "Hopper (wgmma) when compiled; t <= 256; 16-bit cache; rope 64, latent a multiple of 64 and of "
-                   "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; block_q = block_k = 64; compiled (TMA): "
-                   "query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
+                   "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; "
+                   "block_q = block_k = 64; compiled (TMA): query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
     Implementation("pallas", pallas_supports,
                    "any GPU (interpret mode elsewhere); t <= 256; compiled: a 16-bit cache; pages of a power of two "
                    ">= 16 slots; block_q, block_k powers of two >= 16"),
