@@ -19,7 +19,6 @@ from kimi_jax.ops.int4_moe.api import int4_moe
 from kimi_jax.ops.int4_moe.rules import INT4_MOE, MoeCall
 from kimi_jax.ops.registry import Lowering
 from kimi_jax.ops.router.api import ROUTER, RouterCall, route_topk
-from kimi_jax.ops.tree_attention import rules as attention_rules
 from kimi_jax.ops.tree_attention.api import latent_attention
 from kimi_jax.ops.tree_attention.rules import MAX_TREE_TOKENS, TREE_ATTENTION, AttentionCall
 
@@ -59,7 +58,7 @@ def test_tree_attention_over_the_grid():
     for (b, r, p, s, page, dtype), h, t in itertools.product(ATTENTION_DIMS, range(1, 17), [*range(1, 66), 256, 257]):
         call = AttentionCall(b, t, h, r, p, s, page, dtype)
         for target, lowering in LOWERINGS.items():
-            name = decide(attention_rules.TREE_ATTENTION, call, lowering)
+            name = decide(TREE_ATTENTION, call, lowering)
             picks.setdefault((target, name), call)
             if lowering.platform != "cuda" or t > MAX_TREE_TOKENS or dtype == "float32":
                 assert name == "xla"
