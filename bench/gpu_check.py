@@ -12,7 +12,7 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
    tolerance per dtype, and ok = error <= tolerance. The INT4 MoE's bf16 cases also run the Mosaic GPU kernel
    ("mosaic", ``ops/int4_moe/mosaic_gpu.py``, what "auto" runs on Hopper), and so do the tree attention's bf16
    cases whose dims it takes (rope 64, latent and page size multiples of 64): impl="mosaic"
-   (``ops/tree_attention/mosaic_gpu.py``, not chosen by "auto": ``kimi_jax/ops/select.py``).
+   (``ops/tree_attention/mosaic_gpu.py``, "auto" on Hopper where its rules take the call: ``kimi_jax/ops/registry.py``).
 2. ``copy``: device copy bandwidth, ``a + 1`` over a 2 GiB float32 array (read + write counted), best of N.
 3. ``moe``: the INT4 MoE at K2.6 TP-8 slice shapes (hidden 7168, expert width 2048/8 = 256, 384 experts, top-8,
    group-32 INT4, bf16 activations), tokens 1, 8, 16, 32, 64, both impls and on a GPU the Mosaic GPU kernel
@@ -296,8 +296,8 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
     from kimi_jax.ops.int4_moe.api import int4_moe
     from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
     from kimi_jax.ops.int4_moe.reference import int4_moe_reference
-    from kimi_jax.ops.tree_attention.api import latent_attention
-    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
+    from kimi_jax.ops import registry
+    from kimi_jax.ops.tree_attention.api import TREE_ATTENTION, AttentionCall, latent_attention
     from kimi_jax.ops.tree_attention.reference import dense_reference
 
     on_gpu, interpret = ctx["on_gpu"], not ctx["on_gpu"]
@@ -350,7 +350,9 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
         scale = float((r // 4 + p) ** -0.5)
         ref = np.asarray(ref_fn(q, qpe, rows_view(kv, table), lengths, mask, scale=scale))
         outs = {}
-        for impl in ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, page, dtype) else ()):
+        call = AttentionCall(b, t, h, r, p, s, page, jnp.dtype(dtype).name)
+        mosaic_takes = TREE_ATTENTION.refusal("mosaic", call, registry.gpu(not on_gpu)) is None
+        for impl in ("pallas", "xla") + (("mosaic",) if mosaic_takes else ()):
             row = dict(kernel="tree_attention", case=name, impl=impl, batch=b, width=t, heads=h, kv_lora=r, rope=p,
                        slots=s, page_size=page, lengths=np.asarray(lengths).tolist(), dtype=jnp.dtype(dtype).name,
                        tol=tolerance(dtype, on_gpu))
@@ -494,8 +496,8 @@ def _ragged_moe(ragged_dot, e, sort_by_expert, combine, weights, x, idx, wt):
 
 
 def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
-    from kimi_jax.ops.tree_attention.api import latent_attention
-    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
+    from kimi_jax.ops import registry
+    from kimi_jax.ops.tree_attention.api import TREE_ATTENTION, AttentionCall, latent_attention
 
     h, r, p = plan.attn_dims
     interpret, n = not ctx["on_gpu"], plan.chain
@@ -522,7 +524,9 @@ def attention_widths(plan: Plan, ctx: dict, rec: dict) -> None:
             mask = jnp.stack([tree_mask(rng, 1, t) for _ in range(n)])
             need = (s - t - 1) * (r + p) * itemsize
             row = dict(slots=s, width=t, lengths=s - t - 1, bytes_per_call=need, input_sets=n_sets)
-            impls = ("pallas", "xla") + (("mosaic",) if takes_cache(r, p, 0, plan.attn_dtype) else ())
+            call = AttentionCall(1, t, h, r, p, s, 0, jnp.dtype(plan.attn_dtype).name)
+            mosaic_takes = TREE_ATTENTION.refusal("mosaic", call, registry.gpu(interpret)) is None
+            impls = ("pallas", "xla") + (("mosaic",) if mosaic_takes else ())
             for impl in impls:
                 op = functools.partial(latent_attention, scale=scale, impl=impl,
                                        interpret=interpret if impl != "xla" else None)

@@ -129,15 +129,21 @@ class ModelConfig:
 LEGACY_RUNTIME_FIELDS = ("moe_impl", "attn_impl")
 
 
+# The kernel implementations a Runtime (and each op's ``impl=``) may name; what each means, and which one "auto"
+# takes for a call, is kimi_jax.ops.registry's. Here because config is the bottom layer: ops import it from here.
+IMPLS = ("auto", "xla", "pallas", "mosaic")
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """How a model runs, as opposed to what it is (ModelConfig): kernel choices and the device mesh.
 
     moe_impl / attn_impl: "auto" (GPU kernels where a program is lowered for a GPU: Mosaic GPU on Hopper for the
-    calls its kernels take, Triton otherwise; XLA where it is lowered for a CPU or TPU), "pallas" (the Triton
-    kernels; interpret mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels always: programs lowered for
-    a Hopper GPU with 16-bit activations and caches), for the INT4 expert matmul and the tree-verify attention
-    (kimi_jax.ops.select's table decides, per lowering target).
+    calls its kernels take, Triton otherwise; XLA where it is lowered for a CPU or TPU, and for calls no kernel
+    takes), "pallas" (the Triton kernels; interpret mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels:
+    programs lowered for a Hopper GPU with 16-bit activations and caches), for the INT4 expert matmul (and its
+    router) and the tree-verify attention (kimi_jax.ops.registry decides per call and lowering target; a forced
+    implementation that does not take a call is an error saying why).
     mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
@@ -159,15 +165,12 @@ class Runtime:
     split_k: bool = True
 
     def __post_init__(self):
-        from kimi_jax.ops.select import IMPLS
         if self.moe_impl not in IMPLS or self.attn_impl not in IMPLS:
             raise ConfigError(f"moe_impl/attn_impl must be one of {IMPLS}, got {self.moe_impl}/{self.attn_impl}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.page_size < 0 or (self.page_size and self.attn_impl != "xla" and
-                                  (self.page_size < 16 or self.page_size & (self.page_size - 1))):
-            raise ConfigError(f"page_size must be 0 (contiguous) or > 0 (a power of two >= 16 unless attn_impl="
-                              f"'xla'), got {self.page_size}")
+        if self.page_size < 0:      # what each attention implementation takes is its rule (ops.registry)
+            raise ConfigError(f"page_size must be 0 (contiguous) or > 0, got {self.page_size}")
         if self.page_size and self.mesh is not None:
             raise ConfigError("a paged cache (page_size > 0) runs on one device for now; use page_size=0 with a mesh")
 

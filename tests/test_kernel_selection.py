@@ -1,4 +1,4 @@
-"""Kernels are chosen by the platform a program is lowered for (kimi_jax.ops.select), never by the host: the same
+"""Kernels are chosen by the platform a program is lowered for (kimi_jax.ops.registry), never by the host: the same
 DDTree generate program, with the default Runtime (impl "auto"), holds the GPU kernels when lowered for an H200
 from this CPU, and none when lowered for the CPU. No monkeypatching: the real compiler decides what it got."""
 
@@ -128,7 +128,7 @@ def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
     pytest.param(*case, marks=pytest.mark.slow)
     for case in [("h100", "auto"), ("b200", "auto"), ("h200", "mosaic"), ("h200", "pallas")]])
 def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
-    """ops/select.py's table, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
+    """ops/registry.py's preference, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
     placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge): Hopper's
     "auto" (and "mosaic") runs the experts and the attention on Mosaic GPU, the rest on Triton; Blackwell (no
     wgmma), sm_120 and "pallas" run all on Triton."""

@@ -163,7 +163,8 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
 @pytest.mark.parametrize("strategy", ["tp", pytest.param("dp_attn", marks=pytest.mark.slow)])
 def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, reference):
     """The Pallas tree-attention kernel under a mesh runs in shard_map on each device's own heads
-    (mla._tree_on_local_heads; interpret mode on this CPU): the logits of one device, to rounding."""
+    (mla._tree_on_local_heads; interpret mode on this CPU): the logits of one device, to rounding. The op picks
+    its implementation inside, so the XLA path runs on local heads too."""
     mesh = part.make_mesh(MESHES[strategy])
     sharded = shard_params(params, CFG, mesh, strategy)
     tokens = jax.device_put(jnp.asarray(PROMPTS, jnp.int32), part.batch_sharding(mesh, strategy))
@@ -172,5 +173,5 @@ def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, referen
         logits = np.asarray(_logits(sharded, tokens, rt))
         manual = [_logits.lower(sharded, tokens, r).as_text().count("sdy.manual_computation")
                   for r in (rt, rt.replace(attn_impl="xla"))]
-    assert manual[0] == manual[1] + 2          # the MoE's shard_map, plus one per attention layer stack
+    assert manual == [3, 3]          # the MoE's shard_map, plus one per attention layer stack
     np.testing.assert_allclose(logits, reference[1], atol=1e-4, rtol=1e-4)

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from kimi_jax.analysis import targets
 from kimi_jax.analysis.targets import TRITON_CALL
-from kimi_jax.ops.router.api import kernel_refusal, route_topk
+from kimi_jax.ops.registry import Lowering
+from kimi_jax.ops.router.api import RouterCall, pallas_supports, route_topk
 from kimi_jax.ops.router.reference import route_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -72,8 +73,11 @@ def test_ties_go_to_the_lowest_id():
 
 
 def test_refusals():
-    assert kernel_refusal(**K26) is None
-    assert kernel_refusal(7168, 384, 6) is not None and kernel_refusal(7168, 100, 8) is not None
+    gpu = Lowering("cuda", targets.get_target("h200").device_kind)
+    assert pallas_supports(RouterCall(**K26, dtype="bfloat16"), gpu) is None
+    assert pallas_supports(RouterCall(7168, 384, 6, "bfloat16"), gpu) is not None
+    assert pallas_supports(RouterCall(7168, 100, 8, "bfloat16"), gpu) is not None
+    assert pallas_supports(RouterCall(**K26, dtype="float32"), gpu) is not None
     x, w, bias = _inputs(2, 64, 24, seed=0)
     with pytest.raises(ValueError, match="multiples of 16"):
         route_topk(x, w, bias, k=2, impl="pallas", **KW)

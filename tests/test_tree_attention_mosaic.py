@@ -118,7 +118,7 @@ def test_wide_tree_two_query_and_tree_blocks():
 def test_rejects_what_it_cannot_run():
     q, qpe, kv = inputs(0, 1, 2, 2, 64)
     lengths = jnp.zeros((1,), jnp.int32)
-    with pytest.raises(TypeError, match="16-bit"):
+    with pytest.raises(ValueError, match="16-bit"):
         mosaic_gpu.latent_attention_mosaic(q, qpe, kv.astype(jnp.float32), lengths, causal(1, 2), 0.1,
                                            interpret=True)
     with pytest.raises(ValueError, match="block_q = 64"):

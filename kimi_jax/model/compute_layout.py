@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.params import map_experts
+from kimi_jax.ops.registry import platform_of, runs_xla_only
 
 PER_LAYER_MAX_LAYERS = 8         # CPUs split unsharded models of at most this many layers
 SPLIT_MEMORY_FRACTION = 0.9      # of the device's memory limit that stacked + split weights may take
@@ -41,12 +42,18 @@ MODEL_STACKS = ("dense_layers", "moe_layers")
 
 
 def compute_params(params, cfg: ModelConfig, rt: Runtime = Runtime()):
-    """The target's weights the generation programs run on, for this process's backend: float experts where
-    ``expand_float_experts`` pays, every layer in its own buffers where ``own_buffers`` says so. Abstract weights
-    (ShapeDtypeStructs) stay abstract."""
+    """The target's weights the generation programs run on, for the platform they live on
+    (``program_platform``): float experts where ``expand_float_experts`` pays, every layer in its own buffers
+    where ``own_buffers`` says so. Abstract weights (ShapeDtypeStructs) stay abstract."""
     params = expand_float_experts(params, cfg, rt)
     return split_stacks(params, MODEL_STACKS, cfg.name,
-                        own_buffers(cfg.num_hidden_layers, jax.default_backend(), rt.mesh is not None))
+                        own_buffers(cfg.num_hidden_layers, program_platform(rt), rt.mesh is not None))
+
+
+def program_platform(rt: Runtime) -> str:
+    """The platform the weights and programs live on ("cuda", "cpu", "tpu"): ``rt.mesh``'s devices', else this
+    process's default device's. Not ``jax.default_backend()`` as such: a mesh of other devices decides."""
+    return platform_of(rt.mesh.devices.flat[0] if rt.mesh is not None else jax.devices()[0])
 
 
 # ---- per-layer buffers ---------------------------------------------------------------------------------------
@@ -132,11 +139,11 @@ def to_compute_layout(experts: dict, cfg: ModelConfig, dense: bool | None = None
 
 def expand_float_experts(params, cfg: ModelConfig, rt: Runtime = Runtime()):
     """INT4 experts as float experts (exactly the INT4 values; the dense form where ``to_compute_layout`` picks
-    it) when this process's backend runs the XLA MoE path, unsharded, and the float copy stays below
-    ``FLOAT_EXPERTS_MAX_BYTES``; otherwise ``params`` as they are. The Pallas path (GPU) keeps streaming INT4,
-    and large or sharded models keep the per-expert unpacking. "auto" is read for this process's backend
-    (programs lowered for another target take abstract weights, not these)."""
-    xla_here = rt.moe_impl == "xla" or (rt.moe_impl == "auto" and jax.default_backend() != "gpu")
+    it) when the programs on ``program_platform`` run the XLA MoE path for every call (``runs_xla_only``),
+    unsharded, and the float copy stays below ``FLOAT_EXPERTS_MAX_BYTES``; otherwise ``params`` as they are. The
+    kernels (GPU) keep streaming INT4, and large or sharded models keep the per-expert unpacking (programs
+    lowered for another target take abstract weights, not these)."""
+    xla_here = runs_xla_only(rt.moe_impl, program_platform(rt))
     if not cfg.int4_experts or not xla_here or rt.mesh is not None or not cfg.num_moe_layers:
         return params
     layers, dtype = params["moe_layers"], jnp.dtype(params["embed"].dtype)

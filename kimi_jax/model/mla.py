@@ -14,8 +14,6 @@ n nope dim, p rope dim, v value dim, d model dim.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -24,8 +22,7 @@ from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.layers import apply_rope, rms_norm
 from kimi_jax.ops.numerics import MASK_VALUE
-from kimi_jax.ops.select import dispatch
-from kimi_jax.ops.tree_attention.api import latent_attention, mosaic_serves
+from kimi_jax.ops.tree_attention.api import latent_attention
 
 
 def queries(x, p, cfg: ModelConfig, positions, inv_freq):
@@ -66,70 +63,45 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
 
 
-def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str,
-                interpret: bool = False, layer=None):
-    """attend_absorbed with visibility given as (committed lengths, new-token mask): the kernel API
-    (kimi_jax.ops.tree_attention.api), whose Pallas kernel streams the prefix (of a paged cache: the row's own
-    pages) without a dense [b, t, s] mask."""
+def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str, layer=None):
+    """attend_absorbed with visibility given as (committed lengths, new-token mask): the tree-attention op
+    (kimi_jax.ops.tree_attention.api) between W_UK and W_UV, whose kernels stream the prefix (of a paged cache: the
+    row's own pages) without a dense [b, t, s] mask."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, interpret=interpret,
-                             out_dtype=kv.dtype, page_table=page_table, layer=layer)
+    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
+                             page_table=page_table, layer=layer)
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
-
-
-# Widths up to this go through the tree-attention kernel (impl "pallas", or "auto" on a GPU); longer prefills
-# stay dense XLA.
-TREE_KERNEL_MAX_WIDTH = 256
 
 
 def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str,
            rt: Runtime | None = None, layer=None):
-    """The model's one attention dispatch over one layer's cache storage kv (page_table: kimi_jax.cache), or
-    with ``layer`` over layer ``layer`` of the whole cache kv [layers, ...] (the Pallas kernel reads it there in
-    place; the XLA forms slice it out).
-    form="full": expanded per-head K/V (training, the reference); form="absorbed": MQA over the latent rows,
-    at tree widths through the Pallas tree kernel where ``impl`` picks it for the lowering platform
-    (kimi_jax.ops.select), else the dense-mask XLA form (whose one [b, t, s] mask every layer of a forward
-    shares) over the logical rows. Under ``rt.mesh`` the kernel runs on each device's own heads
-    (``_tree_on_local_heads``)."""
+    """The model's one attention call over one layer's cache storage kv (page_table: kimi_jax.cache), or with
+    ``layer`` over layer ``layer`` of the whole cache kv [layers, ...] (the kernels read it there in place).
+    form="full": expanded per-head K/V over the dense ``visible`` mask (training, the reference);
+    form="absorbed": MQA over the latent rows through the tree-attention op, whose ``impl`` resolves per call and
+    lowering platform (kimi_jax.ops.registry: the kernels at tree widths on a GPU, XLA for prefills and
+    elsewhere). Under ``rt.mesh`` each device attends with its own heads (``_tree_on_local_heads``)."""
     if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
-    one = lambda kv, layer: kv if layer is None else kv[layer]  # noqa: E731
     if form == "full":
-        return attend_full(q_nope, q_pe, rows_view(one(kv, layer), page_table), visible, p, cfg)
-    if q_nope.shape[1] > TREE_KERNEL_MAX_WIDTH:
-        impl = "xla"
+        return attend_full(q_nope, q_pe, rows_view(kv if layer is None else kv[layer], page_table), visible, p, cfg)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
-
-    def dense(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer):
-        return attend_absorbed(q_nope, q_pe, rows_view(one(kv, layer), page_table), visible, p, cfg)
-
-    def kernel(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer, *, interpret, name="pallas"):
-        if rt is not None and rt.mesh is not None:
-            return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, interpret, layer,
-                                        name)
-        return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, name, interpret, layer)
-
-    operands = (q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, layer)
-    mosaic = functools.partial(kernel, interpret=False, name="mosaic")
-    if impl == "mosaic":                # for a program lowered for a GPU (kimi_jax.ops.select)
-        return mosaic(*operands)
-    page = 0 if page_table is None else kv.shape[-2]
-    serves = mosaic_serves(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page, kv.dtype)
-    return dispatch(operands, impl=impl, interpret=False, pallas=kernel, xla=dense, mosaic=mosaic if serves else None)
+    if rt is not None and rt.mesh is not None:
+        return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, impl, layer)
+    return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, impl, layer)
 
 
-def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, interpret,
-                         layer=None, impl: str = "pallas"):
+def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, impl: str,
+                         layer=None):
     """attend_tree in ``jax.shard_map`` over ``rt.mesh``, each device on its own heads (and batch rows): a
     Pallas call is opaque to the SPMD partitioner, which otherwise gathers every head onto every device and runs
     the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
     A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
     softmaxes would need merging across devices."""
     def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer):
-        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, interpret, layer)
+        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, layer)
 
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
     if st.mesh_axes("slots", rt.mesh):

@@ -8,8 +8,8 @@ expert sees the same input and is added unscaled.
 
 Routed experts are computed behind one function, ``routed_experts``: float experts (a dict of stacked
 [E, in, out] matrices, or the dense form ``compute_layout.DenseExperts``) take the XLA path; INT4 experts
-(``ops.int4_format.Int4Experts``) go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the XLA or the
-Pallas kernel (``ops.select``). Which form a backend gets is ``kimi_jax.model.compute_layout``'s choice.
+(``ops.int4_format.Int4Experts``) go to ``ops.int4_moe`` with ``Runtime.moe_impl`` choosing the implementation
+(``ops.registry``). Which form a backend gets is ``kimi_jax.model.compute_layout``'s choice.
 
 With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
 ``jax.shard_map``: every device computes its local experts (EP: ids held elsewhere get weight 0) on its slice of
@@ -35,16 +35,10 @@ from kimi_jax.ops.router import reference as router_ref
 
 def route(x, router, bias, cfg: ModelConfig, impl: str = "auto"):
     """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]. One expert group (K2.6) is
-    ``ops.router``, its kernels where ``impl`` (``Runtime.moe_impl``) picks them; group-limited routing stays
-    here, on XLA."""
+    ``ops.router`` under the MoE's ``impl`` (``Runtime.moe_impl``; its rules say which implementation serves
+    it); group-limited routing stays here, on XLA."""
     kw = dict(k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     if cfg.n_group == 1:
-        # The router's kernels are Triton's (no Mosaic GPU version: two small kernels where XLA runs six), so a
-        # program whose experts run on Mosaic GPU routes with them too; XLA where they do not tile (tiny test
-        # models), which impl="pallas" must not refuse for the MoE's sake
-        impl = "pallas" if impl == "mosaic" else impl
-        if router_api.kernel_refusal(x.shape[1], router.shape[1], kw["k"]) is not None:
-            impl = "xla"
         return router_api.route_topk(x, router, bias, impl=impl, **kw)
     scores = router_ref.scores(x, router)
     n = scores.shape[0]

@@ -6,9 +6,9 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 ``256c + 32i + j``; bf16 scales ``[K/32, N]``).
 
 impl="xla" (``xla.py``), impl="pallas" (``pallas_triton.py``: Triton kernels), impl="mosaic" (``mosaic_gpu.py``:
-TMA + wgmma for Hopper, 16-bit activations; a program lowered for a GPU, or GPU interpret mode), or impl="auto":
-Mosaic GPU where the program is lowered for a Hopper GPU and the call suits it, the Triton kernels on other GPUs,
-XLA elsewhere (``kimi_jax.ops.select``). All group the pairs by expert the same way (``routing.py``; the GPU
+TMA + wgmma for Hopper, tcgen05 for B200/B300, 16-bit activations; a program lowered for a GPU, or GPU interpret
+mode), or impl="auto": the first of the target's preference whose rules take the call (``kimi_jax.ops.registry``;
+the rules: ``rules.py``). All group the pairs by expert the same way (``routing.py``; the GPU
 paths place up to ``PLACE_MAX_PAIRS`` pairs with one Triton kernel, the same placement exactly);
 ``reference.py`` is the oracle they are tested against.
 """
@@ -23,24 +23,12 @@ import jax.numpy as jnp
 from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas, place
 from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
+from kimi_jax.ops.int4_moe.rules import INT4_MOE, MoeCall
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
-from kimi_jax.ops.select import check_impl, dispatch, hopper, lowering_gpu, mosaic_lowering
 
 
-def mosaic_serves(dtype, experts: Int4Experts, block_m: int | None) -> bool:
-    """Whether "auto" takes the Mosaic GPU kernels: the program is lowered for a Hopper GPU (anywhere else Mosaic
-    GPU is not even imported; a program lowered for a CPU has no GPU here), the kernels take the dims
-    (``mosaic_gpu.takes``), and no ``block_m`` was given (it means Triton's sizes). B200/B300 (the tcgen05
-    kernels) only through impl="mosaic": a process that compiles Mosaic GPU kernels for two architectures fails
-    in ptxas (``kimi_jax/ops/select.py``)."""
-    if not hopper(lowering_gpu()) or block_m is not None:
-        return False
-    from kimi_jax.ops.int4_moe.mosaic_gpu import takes
-    return takes(dtype, experts.d_model, experts.d_ff)
 
-
-def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
-    check_impl(impl)
+def _check(x, topk_idx, topk_weight, ex: Int4Experts) -> None:
     if ex.w13.ndim != 4 or ex.w2.ndim != 3:
         raise ValueError(f"int4_moe takes one layer's experts (w13 [E, 2, D/8, F]), got w13 {ex.w13.shape}; "
                          "slice the stacked layer axis first, e.g. jax.tree.map(lambda a: a[i], experts)")
@@ -57,34 +45,23 @@ def _check(x, topk_idx, topk_weight, ex: Int4Experts, impl: str) -> None:
                          f"{ex.w2.shape}); a tensor-parallel shard of F must be a multiple of {CHUNK}")
 
 
-def _check_block_m(block_m: int, impl: str) -> None:
-    lo = PALLAS_BLOCK_M[0] if impl == "pallas" else 1
-    if block_m < lo or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= {lo} for impl={impl!r}, got {block_m}")
-
-
 def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
              impl: str = "auto", interpret: bool = False, block_m: int | None = None) -> jax.Array:
     """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
 
     ``impl``: "auto", "xla", "pallas" or "mosaic", resolved for the platform the program is lowered for
-    (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. ``block_m`` overrides the row
+    (``kimi_jax.ops.registry``; a forced one that does not take the call is an error saying why);
+    ``interpret=True`` forces Pallas interpret mode. ``block_m`` overrides the row
     block (a power of two; >= 16 for pallas; 8, 16, 32 or 64 for mosaic).
     """
-    _check(x, topk_idx, topk_weight, experts, impl)
+    _check(x, topk_idx, topk_weight, experts)
     experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
 
     def mosaic(x, topk_idx, topk_weight, experts, interpret=False):
         # imported here: Mosaic GPU's Python side loads only for programs that lower it
         from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
         return int4_moe_mosaic(x, topk_idx, topk_weight, experts, interpret=interpret, tiles=Tiles(block_m=block_m))
-
-    if impl == "mosaic":
-        mosaic_lowering(interpret)
-        return mosaic(x, topk_idx, topk_weight, experts, interpret=interpret)
-    if block_m is not None:
-        _check_block_m(block_m, "xla" if impl == "xla" else "pallas")
 
     def run(x, topk_idx, topk_weight, experts, *, kernel, interpret=False):
         t, k = topk_idx.shape
@@ -102,6 +79,7 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
             out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret)
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
-    return dispatch((x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,
-                    pallas=functools.partial(run, kernel="pallas"), xla=functools.partial(run, kernel="xla"),
-                    mosaic=mosaic if mosaic_serves(x.dtype, experts, block_m) else None)
+    call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)
+    return INT4_MOE.dispatch(call, (x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,
+                             run={"xla": functools.partial(run, kernel="xla"), "mosaic": mosaic,
+                                  "pallas": functools.partial(run, kernel="pallas")})

@@ -4,7 +4,7 @@
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
 contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``, which
 saves that gather: Hopper's TMA copies boxes, it does not gather rows). ``int4_moe_mosaic`` is the whole layer
-(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.select``).
+(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.registry``).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
@@ -67,13 +67,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
+from kimi_jax.ops.int4_moe.rules import TC_MIN_ROWS, WGMMA_M
 from kimi_jax.ops.numerics import F32
 from kimi_jax.ops.select import blackwell, lowering_gpu, mosaic_interpret_params
 
-WGMMA_M = 64             # wgmma's M for one warpgroup: the row block, or (swapped) the weight columns a tile
 TC_M = 128               # tcgen05's M for one CTA (Blackwell): the weight columns a tile, always swapped (M = 64
 #                          takes a CTA pair on Mosaic GPU); its N, the block's rows, a multiple of 16 (TMEM columns)
-TC_MIN_ROWS = 16
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
 TARGET_CTAS = 132        # H200's SMs: gate/up splits K until its grid has at least this many CTAs
 MIN_CHUNKS_PER_SPLIT = 4
@@ -319,14 +318,6 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
     return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
                                       bn=bn_down, stages=tiles.stages, out_dtype=F32, epilogue=None,
                                       interpret=interpret, tc=tc)[0])
-
-
-def takes(dtype, d_model: int, d_ff: int) -> bool:
-    """Whether the wgmma kernels take a layer of these dims at any row block: 16-bit activations and output
-    widths in whole CTA tiles in both tilings (gate/up: ``F`` in 64-column tiles swapped, 32 at 64 rows; down:
-    ``D`` in two 64-column tiles swapped, two 32-column ones at 64 rows). K2.6 at TP-8: D = 7168, F = 256."""
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
-        d_ff % WGMMA_M == 0 and d_model % (2 * WGMMA_M) == 0
 
 
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,

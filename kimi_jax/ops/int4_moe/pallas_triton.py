@@ -48,7 +48,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.routing import Routing, num_blocks, sort_by_expert
+from kimi_jax.ops import registry
 from kimi_jax.ops.numerics import F32, next_pow2
+from kimi_jax.ops.registry import Implementation, Lowering, Op, always
 from kimi_jax.ops.select import lowering_tiles
 
 PALLAS_BLOCK_M = (16, 64)     # min, max rows per block (the routing pads expert groups to these: api.py)
@@ -276,9 +278,23 @@ def place_pallas(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool) ->
     return Routing(row_pair, block_expert, pair_row)
 
 
+def _place_supports(pairs: int, lowering: Lowering) -> str | None:
+    if pairs > PLACE_MAX_PAIRS:
+        return f"the placement kernel places at most {PLACE_MAX_PAIRS} (token, slot) pairs, got {pairs}"
+    return None
+
+
+# The (token, slot) pairs' placement by expert that both GPU MoE paths share; its call is the number of pairs
+PLACEMENT = Op("placement", (
+    Implementation("pallas", _place_supports, f"any GPU (interpret mode elsewhere); at most {PLACE_MAX_PAIRS} pairs"),
+    Implementation("xla", always, "every call (routing.sort_by_expert)"),
+))
+
+
 def place(topk_idx: jax.Array, num_experts: int, block_m: int, interpret: bool) -> Routing:
-    """The GPU paths' placement (Triton's and Mosaic GPU's kernels share it): ``place_pallas``, one kernel, up to
-    ``PLACE_MAX_PAIRS`` pairs; above, ``routing.sort_by_expert`` on XLA. Both give the same ``Routing``."""
-    if topk_idx.size <= PLACE_MAX_PAIRS:
+    """The GPU paths' placement (Triton's and Mosaic GPU's kernels share it), inside their GPU (or interpret-mode)
+    lowering: ``PLACEMENT``'s choice, ``place_pallas`` (one kernel) or ``routing.sort_by_expert`` on XLA. Both
+    give the same ``Routing``."""
+    if PLACEMENT.resolve(topk_idx.size, registry.gpu(bool(interpret))) == "pallas":
         return place_pallas(topk_idx, block_m, num_blocks(topk_idx.size, num_experts, block_m), bool(interpret))
     return sort_by_expert(topk_idx, num_experts, block_m)

@@ -5,43 +5,60 @@
 
 impl="xla" (``reference.py``: the GEMM, its split-K reduction, the bias add, top-k, gather and renormalise are
 six GPU ops) or impl="pallas" (``pallas_triton.py``: two kernels), or impl="auto": the kernels where the program
-is lowered for a GPU, XLA elsewhere (``kimi_jax.ops.select``). Shapes the kernels cannot tile
-(``kernel_refusal``) take the XLA path under "auto" and are refused under "pallas". Group-limited routing
-(n_group > 1) is not here: ``kimi_jax.model.moe.route`` keeps it on its XLA path.
+is lowered for a GPU and they tile the call, XLA elsewhere (``kimi_jax.ops.registry``; the rules: ``ROUTER``).
+impl="mosaic" (a MoE on Mosaic GPU: the model passes its MoE's impl) is served by the Triton kernels: there is no
+Mosaic GPU router. Group-limited routing (n_group > 1) is not here: ``kimi_jax.model.moe.route`` keeps it on its
+XLA path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from kimi_jax.ops.router.pallas_triton import Tiles, block, route_pallas
 from kimi_jax.ops.router.reference import route_reference
-from kimi_jax.ops.select import check_impl, dispatch
+from kimi_jax.ops.registry import Implementation, Lowering, Op, always
 
 
-def kernel_refusal(d: int, e: int, k: int) -> str | None:
-    """Why the Pallas kernels cannot route x [T, d] over e experts, top-k (None: they can)."""
-    if block(d, Tiles.block_k) is None or block(e, Tiles.block_e) is None:
-        return f"d={d} and e={e} must be multiples of 16"
-    if k & (k - 1) or k > e:
-        return f"k={k} must be a power of two <= e={e}"
+@dataclasses.dataclass(frozen=True)
+class RouterCall:
+    """The static facts of a ``route_topk`` call that the implementations' rules read: x [T, d] over e experts,
+    top-k, in ``dtype`` (x's and the router's promoted)."""
+    d: int
+    e: int
+    k: int
+    dtype: str
+
+
+def pallas_supports(call: RouterCall, lowering: Lowering) -> str | None:
+    """Why the Triton kernels cannot route the call (None: they can)."""
+    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
+        # deviceless compile at K2.6's d = 7168, e = 384: 288 KiB of shared memory asked on H100 (tests/
+        # test_kernel_shapes.py)
+        return f"compiled, the router kernels take 16-bit inputs (32-bit tiles exceed shared memory), got {call.dtype}"
+    if block(call.d, Tiles.block_k) is None or block(call.e, Tiles.block_e) is None:
+        return f"d={call.d} and e={call.e} must be multiples of 16"
+    if call.k & (call.k - 1) or call.k > call.e:
+        return f"k={call.k} must be a power of two <= e={call.e}"
     return None
+
+
+ROUTER = Op("router", (
+    Implementation("pallas", pallas_supports,
+                   "any GPU (interpret mode elsewhere); compiled: 16-bit inputs; d and e multiples of 16; k a "
+                   "power of two <= e"),
+    Implementation("xla", always, "every call"),
+), stand_ins=(("mosaic", "pallas"),))
 
 
 def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, impl: str = "auto",
                interpret: bool = False):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32)."""
-    check_impl(impl)
-    if impl == "mosaic":
-        raise ValueError('the router has no Mosaic GPU kernel; impl="mosaic" applies to the MoE and attention ops')
     reference = functools.partial(route_reference, k=k, norm_topk_prob=norm_topk_prob, scaling=scaling)
-    refusal = kernel_refusal(x.shape[1], router.shape[1], k)
-    if refusal is not None:
-        if impl == "pallas" or interpret:
-            raise ValueError(f"router kernel: {refusal}; use impl='xla'")
-        return reference(x, router, bias)
 
     def pallas(x, router, bias, *, interpret):
         kernel = jax.custom_jvp(functools.partial(route_pallas, k=k, norm_topk_prob=norm_topk_prob,
@@ -55,4 +72,6 @@ def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float,
 
         return kernel(x, router, bias)
 
-    return dispatch((x, router, bias), impl=impl, interpret=interpret, pallas=pallas, xla=reference)
+    call = RouterCall(x.shape[1], router.shape[1], k, jnp.promote_types(x.dtype, router.dtype).name)
+    return ROUTER.dispatch(call, (x, router, bias), impl=impl,
+                           interpret=interpret, run={"pallas": pallas, "xla": reference})

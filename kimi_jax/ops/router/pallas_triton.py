@@ -43,6 +43,10 @@ class Tiles:
     splits: int = 14          # K2.6: 7168 / 256 = 28 chunks, 2 per program
     num_warps: int = 4
     num_stages: int = 3
+    # The top-k kernel's: its [block_t, E] float32 scores and choices live in registers; at 4 warps it spilled
+    # where T is a whole number of full token blocks (T = 16 on H100, H200 and the RTX PRO 6000: no masked rows,
+    # so all 14 split partials were loaded at once; tests/test_kernel_shapes.py)
+    topk_num_warps: int = 8
 
 
 # Per GPU (device-kind substring; "" every other): sm_120 (RTX PRO 6000, ~99 KiB of shared memory per block)
@@ -104,7 +108,7 @@ def _topk_kernel(p_ref, b_ref, ids_ref, w_ref, *, n_cols: int, block_e: int, k: 
 def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, interpret: bool,
                  tiles: Tiles | None = None):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32); shapes as
-    ``api.kernel_refusal`` accepts. ``tiles``: None picks them for the GPU being lowered for
+    ``api.pallas_supports`` accepts. ``tiles``: None picks them for the GPU being lowered for
     (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     t, d = x.shape
@@ -135,7 +139,7 @@ def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: floa
                   pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((bt, k), lambda i: (i, 0)), pl.BlockSpec((bt, k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), F32)],
-        compiler_params=params,
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.topk_num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="router_topk",
     )(partial, bias)

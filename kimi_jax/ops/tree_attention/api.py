@@ -19,32 +19,19 @@ impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) o
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
 through the table) or impl="mosaic" (``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches;
 compiled where the program is lowered for a GPU, in Pallas' GPU interpret mode with interpret=True, refused
-otherwise), or impl="auto": Mosaic GPU where the program is lowered for a Hopper GPU and the call suits it
-(``mosaic_serves``), the Triton kernel on other GPUs, XLA elsewhere (``kimi_jax.ops.select``); ``reference.py``
-is the dense oracle they are tested against.
+otherwise), or impl="auto": the first of the target's preference whose rules take the call
+(``kimi_jax.ops.registry``; the rules: ``rules.py``); ``reference.py`` is the dense oracle they are
+tested against.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
-from kimi_jax.ops.select import check_impl, dispatch, hopper, lowering_gpu, mosaic_lowering
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
+from kimi_jax.ops.tree_attention.rules import TREE_ATTENTION, AttentionCall
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
-
-
-def mosaic_serves(r: int, p: int, page: int, dtype, block_q=None, block_k=None) -> bool:
-    """Whether "auto" takes the Mosaic GPU kernel for a call with these dims: the program is lowered for a
-    Hopper GPU (anywhere else Mosaic GPU is not even imported) and the kernel takes the cache
-    (``mosaic_gpu.takes_cache``) and the blocks (64, or the default)."""
-    if not hopper(lowering_gpu()) or {block_q, block_k} - {None, 64}:
-        return False
-    from kimi_jax.ops.tree_attention.mosaic_gpu import takes_cache
-    return takes_cache(r, p, page, dtype)
-
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
                      interpret: bool = False, block_q: int | None = None, block_k: int | None = None,
@@ -54,15 +41,15 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
     new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
     dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl``: "auto", "xla", "pallas" or "mosaic" (``kimi_jax.ops.select.IMPLS``), resolved for the platform the program is
-    lowered for (``kimi_jax.ops.select``); ``interpret=True`` forces Pallas interpret mode. Pallas tiling:
+    ``impl``: "auto", "xla", "pallas" or "mosaic", resolved for the platform the program is lowered for
+    (``kimi_jax.ops.registry``; a forced one that does not take the call is an error saying why);
+    ``interpret=True`` forces Pallas interpret mode. Pallas tiling:
     block_q / block_k (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache); "mosaic" has
     block_q = block_k = 64 (None or 64) and needs a page size that is a multiple of 64.
     page_table [b, pages_per_row] int: kv is a page pool [pages, page_size, r+p] (module doc).
     layer (int or int32 scalar): kv is the whole cache [layers, ...] and this is the layer attended over; the
     Pallas kernel reads it in place (no copy of one layer's rows out of the cache).
     """
-    check_impl(impl)
     whole = kv
     if layer is not None:
         if kv.ndim != 4:
@@ -99,10 +86,8 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
                                        page_table=page_table, layer=layer, out_dtype=dtype)
 
     operands = (q_lat, q_pe, whole, lengths, new_mask, page_table, layer)
-    if impl == "mosaic":
-        mosaic_lowering(interpret)
-        return mosaic(*operands, interpret=bool(interpret))
-    page = 0 if page_table is None else kv.shape[1]
-    serves = mosaic_serves(r, q_pe.shape[-1], page, kv.dtype, block_q, block_k)
-    return dispatch(operands, impl=impl, interpret=interpret, pallas=pallas, xla=xla,
-                    mosaic=functools.partial(mosaic, interpret=False) if serves else None)
+    call = AttentionCall(b, t, h, r, q_pe.shape[-1], kv.shape[1] if page_table is None else
+                         page_table.shape[1] * kv.shape[1], 0 if page_table is None else kv.shape[1],
+                         jnp.dtype(kv.dtype).name, block_q, block_k)
+    return TREE_ATTENTION.dispatch(call, operands, impl=impl, interpret=interpret,
+                                   run={"xla": xla, "pallas": pallas, "mosaic": mosaic})

@@ -61,12 +61,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
+from kimi_jax.ops.registry import Lowering
+from kimi_jax.ops.select import lowering_gpu, mosaic_interpret_params
+from kimi_jax.ops.tree_attention.rules import MOSAIC_BLOCK, AttentionCall, mosaic_supports
 from kimi_jax.ops.tree_attention.pallas_triton import merge_pallas
 from kimi_jax.ops.tree_attention.xla import tree_rows, tree_slots
-from kimi_jax.ops.select import mosaic_interpret_params
 
-BLOCK_Q = 64            # wgmma M of one warpgroup
-BLOCK_K = 64            # key rows per block: 128-byte rows in bf16, so every tile takes the 128-byte swizzle
+BLOCK_Q = MOSAIC_BLOCK  # wgmma M of one warpgroup
+BLOCK_K = MOSAIC_BLOCK  # key rows per block: 128-byte rows in bf16, so every tile takes the 128-byte swizzle
 TARGET_CTAS = 132       # one per H200 SM: 226 KiB of shared memory a CTA leaves room for one CTA an SM
 MIN_BLOCKS_PER_SPLIT = 4
 MERGE_BLOCK = 32        # queries per program of Triton's merge kernel: [32, 512] float32 fits its registers
@@ -262,39 +264,14 @@ def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, sc
     return kernel(lengths, layer, table, q, qpe, kv, kv if tree_kv is None else tree_kv, tree_mask)
 
 
-def check_cache(r: int, p: int, page: int, dtype, tiles: Tiles = Tiles()) -> None:
-    """Raises unless the kernel takes a latent cache of ``r`` + ``p`` columns of ``dtype`` in pages of ``page``
-    slots (0: contiguous): 16-bit (wgmma), rope 64, a latent dim that is a multiple of 64 and of the value
-    chunk, pages of whole 64-key blocks. ``api.latent_attention``'s "auto" asks it before choosing this kernel."""
-    if jnp.dtype(dtype).itemsize != 2:
-        raise TypeError(f"the Mosaic GPU kernel runs a 16-bit cache (wgmma), got {jnp.dtype(dtype)}")
-    dv = min(tiles.block_v, r)
-    if p != 64 or r % 64 or r % dv or dv % 64:
-        raise ValueError(f"the Mosaic GPU kernel needs rope dim 64 and a latent dim that is a multiple of 64 and "
-                         f"of block_v={dv} (K2: 512 + 64), got {r} + {p}")
-    if page and page % BLOCK_K:
-        raise ValueError(f"the Mosaic GPU kernel needs a page size that is a multiple of {BLOCK_K}, got {page}")
-
-
-def takes_cache(r: int, p: int, page: int, dtype) -> bool:
-    """``check_cache`` as a yes/no, with the default tiles."""
-    try:
-        check_cache(r, p, page, dtype)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q=None, block_k=None,
                             num_splits=None, page_table=None, layer=None, out_dtype=None,
                             tiles: Tiles | None = None):
-    """``api.latent_attention``'s computation through the Mosaic GPU kernel (module doc). block_q and block_k
-    are fixed at 64 (None or 64); ``interpret``: True (or an ``InterpretGPUParams``) runs the kernel in Pallas'
-    GPU interpret mode on the CPU. Inputs are cast to the cache's dtype, which must be 16-bit (wgmma)."""
+    """``api.latent_attention``'s computation through the Mosaic GPU kernel (module doc), for the calls
+    ``rules.mosaic_supports`` takes (block_q and block_k fixed at 64: None or 64); ``interpret``: True (or an
+    ``InterpretGPUParams``) runs the kernel in Pallas' GPU interpret mode on the CPU. Inputs are cast to the
+    cache's dtype, which must be 16-bit (wgmma)."""
     tiles = tiles or Tiles()
-    if (block_q or BLOCK_Q) != BLOCK_Q or (block_k or BLOCK_K) != BLOCK_K:
-        raise ValueError(f"the Mosaic GPU kernel has block_q = {BLOCK_Q} and block_k = {BLOCK_K}, got "
-                         f"{block_q}, {block_k}")
     b, t, h, r = q_lat.shape
     p = q_pe.shape[-1]
     if layer is None:
@@ -302,9 +279,11 @@ def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     dt = kv.dtype
     page = 0 if page_table is None else kv.shape[2]
-    check_cache(r, p, page, dt, tiles)
     dv = min(tiles.block_v, r)
     n_slots = kv.shape[2] if not page else page_table.shape[1] * page
+    call = AttentionCall(b, t, h, r, p, n_slots, page, jnp.dtype(dt).name, block_q, block_k, tiles.block_v)
+    if (reason := mosaic_supports(call, Lowering("cuda", lowering_gpu(), bool(interpret)))) is not None:
+        raise ValueError(reason)
 
     # Tree rows (module doc): gathered from logical slots through the table when paged (tree key column k is
     # node k); read in place from a contiguous cache, from the slot lengths - off below them that is a multiple

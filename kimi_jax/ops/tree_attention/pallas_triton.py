@@ -76,6 +76,11 @@ TILES = {"": Tiles(), "RTX PRO 6000": Tiles(block_q=16)}
 TARGET_PROGRAMS = 264   # ~2 per H200 SM
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_DOT = 16
+# Query rows a program of the merge kernel: [16, 512] float32 partials. At 32 rows it spilled registers wherever
+# the kernel had 2 partial states (one prefix split: caches up to 4 key blocks, or num_splits=1) and a ragged last
+# query block (t*h > 32 and not a multiple of 32: 17 tree tokens x 4 heads), on every GPU target (deviceless
+# compiles, tests/test_kernel_shapes.py); 16 rows compile spill-free there.
+MERGE_BLOCK = 16
 
 
 def _prev_pow2(n: int) -> int:
@@ -315,5 +320,5 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
-    out = merge_pallas(o, m, l, bq, out_dtype or F32, interpret)                               # [b, n_q, r]
+    out = merge_pallas(o, m, l, MERGE_BLOCK, out_dtype or F32, interpret)                               # [b, n_q, r]
     return out[..., :r_in].reshape(b, t, h, r_in)

@@ -1,0 +1,102 @@
+"""What each implementation of the tree attention (``api.latent_attention``) takes: ``TREE_ATTENTION``, its
+registry entry (``kimi_jax.ops.registry``), whose rules ``api.py`` resolves with and ``mosaic_gpu.py`` checks
+direct calls against. Apart from the kernels, so that reading the rules loads no Mosaic GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kimi_jax.ops.registry import Implementation, Lowering, Op, always
+from kimi_jax.ops.select import hopper
+from kimi_jax.ops.tree_attention.pallas_triton import MIN_DOT
+
+# Tree widths up to this go through the kernels; wider calls are prefills, which the XLA path serves (the
+# Mosaic kernel unrolls its tree blocks, and the per-call ancestor mask grows as t^2 h)
+MAX_TREE_TOKENS = 256
+MOSAIC_BLOCK = 64           # the Mosaic kernel's block_q = block_k (mosaic_gpu.BLOCK_Q, BLOCK_K)
+TMA_TILE_ROWS = 8           # rows of the 16-bit smem tiles Mosaic GPU's TMA copies into
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """The static facts of a ``latent_attention`` call that the implementations' rules read."""
+    batch: int
+    tokens: int             # t: new (tree) tokens
+    heads: int              # h: heads on the device
+    latent: int             # r
+    rope: int               # p
+    slots: int              # logical cache slots per batch row
+    page: int               # page size, 0: a contiguous cache
+    dtype: str              # the cache's
+    block_q: int | None = None
+    block_k: int | None = None
+    block_v: int = 256      # the Mosaic kernel's output columns a CTA (mosaic_gpu.Tiles.block_v)
+
+    @property
+    def rows(self) -> int:
+        """The query rows of a batch row: (tree token, head) pairs, one query axis in both kernels."""
+        return self.tokens * self.heads
+
+
+def _pow2_at_least(v: int, lo: int) -> bool:
+    return v >= lo and not v & (v - 1)
+
+
+def pallas_supports(call: AttentionCall, lowering: Lowering) -> str | None:
+    if call.tokens > MAX_TREE_TOKENS:
+        return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
+    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
+        # deviceless compiles, latent 128-512: register spills on H100 and B200, over the shared memory on the
+        # RTX PRO 6000 (tests/test_kernel_shapes.py)
+        return f"compiled, the Triton kernel takes a 16-bit cache (a 32-bit one spills registers), got {call.dtype}"
+    if call.page and not _pow2_at_least(call.page, MIN_DOT):
+        return f"the Triton kernel needs a page size that is a power of two >= {MIN_DOT}, got {call.page}"
+    for name in ("block_q", "block_k"):
+        if (v := getattr(call, name)) is not None and not _pow2_at_least(v, MIN_DOT):
+            return f"{name} must be a power of two >= {MIN_DOT}, got {v}"
+    return None
+
+
+def mosaic_supports(call: AttentionCall, lowering: Lowering) -> str | None:
+    if lowering.compiles_for_gpu and not hopper(lowering.device_kind):
+        return f"the Mosaic GPU tree attention needs wgmma: Hopper (sm_90a), not {lowering.device_kind}"
+    if call.tokens > MAX_TREE_TOKENS:
+        return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
+    if jnp.dtype(call.dtype).itemsize != 2:
+        return f"the Mosaic GPU kernel runs a 16-bit cache (wgmma), got {call.dtype}"
+    dv = min(call.block_v, call.latent)
+    if call.rope != 64 or call.latent % 64 or call.latent % dv or dv % 64:
+        return (f"the Mosaic GPU kernel needs rope dim 64 and a latent dim that is a multiple of 64 and of "
+                f"block_v={dv} (K2: 512 + 64), got {call.latent} + {call.rope}")
+    if call.page % MOSAIC_BLOCK:
+        return f"the Mosaic GPU kernel needs a page size that is a multiple of {MOSAIC_BLOCK}, got {call.page}"
+    if {call.block_q, call.block_k} - {None, MOSAIC_BLOCK}:
+        return (f"the Mosaic GPU kernel has block_q = {MOSAIC_BLOCK} and block_k = {MOSAIC_BLOCK}, got "
+                f"{call.block_q}, {call.block_k}")
+    if lowering.interpret:      # GPU interpret mode runs no TMA
+        return None
+    # Compiled, a TMA copy from a global array whose tiled dim is longer than a tile needs whole 8-row tiles
+    # there (Mosaic GPU's TileTransform without a rounding mode: "dimension 1 must have size smaller or a
+    # multiple of its tiling 8"): the queries [b, t*h, r], and a contiguous cache [b, s, r+p] (one shorter than a
+    # key block is padded to one)
+    if call.rows > TMA_TILE_ROWS and call.rows % TMA_TILE_ROWS:
+        return (f"the Mosaic GPU kernel's TMA needs the query rows t*h = {call.tokens}*{call.heads} = {call.rows} "
+                f"to be at most {TMA_TILE_ROWS} or a multiple of {TMA_TILE_ROWS}")
+    if not call.page and call.slots >= MOSAIC_BLOCK and call.slots % TMA_TILE_ROWS:
+        return (f"the Mosaic GPU kernel's TMA needs a contiguous cache of a multiple of {TMA_TILE_ROWS} slots "
+                f"(or fewer than {MOSAIC_BLOCK}), got {call.slots}")
+    return None
+
+
+TREE_ATTENTION = Op("tree attention", (
+    Implementation("mosaic", mosaic_supports,
+                   "Hopper (wgmma) when compiled; t <= 256; 16-bit cache; rope 64, latent a multiple of 64 and of "
+                   "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; "
+                   "block_q = block_k = 64; compiled (TMA): query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
+    Implementation("pallas", pallas_supports,
+                   "any GPU (interpret mode elsewhere); t <= 256; compiled: a 16-bit cache; pages of a power of two "
+                   ">= 16 slots; block_q, block_k powers of two >= 16"),
+    Implementation("xla", always, "every call"),
+))
