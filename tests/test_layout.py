@@ -1,5 +1,6 @@
-"""The package layout stays what the README says: no import cycles among kimi_jax's modules (imports inside
-functions count too), every module named in the README's layout section, and every module importable."""
+"""The package layout stays what the README says: imports run down the README's layers only, folder by folder
+(imports inside functions count too), no import cycles among modules, every module named in the README's layout
+section, and every module importable."""
 
 import ast
 import importlib
@@ -52,6 +53,37 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# The layers of the package, bottom first: a root module or a folder imports only from its own layer or below.
+# (The README's layout section lists the same order.) ``import kimi_jax`` reaches the API (the package's lazy
+# exports), so it counts as an import of ``api``; the ``python -m kimi_jax.<name>`` aliases sit on top.
+LAYERS = ("config", "fields", "text", "cache", "ops", "sharding", "model", "decoding", "weights", "api", "serving",
+          "training", "cli", "analysis", "aliases")
+ALIASES = ("decode", "serve", "convert", "train")
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    return "aliases" if parts[1] in ALIASES and len(parts) == 2 else parts[1]
+
+
+def test_imports_run_down_the_layers():
+    modules = _modules()
+    units = {_unit(m) for m in modules}
+    assert units <= set(LAYERS), f"folders or root modules not placed in LAYERS: {units - set(LAYERS)}"
+    rank = {u: i for i, u in enumerate(LAYERS)}
+    up = [f"{m} -> {n}" for m, p in modules.items() for n in _imports(p, modules)
+          if rank[_unit(n)] > rank[_unit(m)]]
+    assert not up, "imports up the layers (README, Layout): " + "; ".join(sorted(up))
+
+
+def test_readme_lists_the_layers():
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("Layers, bottom first:"))
+    assert [w.strip(" `.") for w in line.split(":", 1)[1].split(",")] == list(LAYERS)
 
 
 def test_readme_layout_names_every_module():
