@@ -29,8 +29,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.config import ModelConfig, rope_fields, yarn_mscale
-from kimi_jax.model.compute_layout import own_buffers, split_stacks
+from kimi_jax.config import ModelConfig, Runtime, rope_fields, yarn_mscale
+from kimi_jax.model.compute_layout import own_buffers, program_platform, split_stacks
 from kimi_jax.model.layers import apply_rope_half, rms_norm, run_layers, swiglu, yarn_frequencies
 from kimi_jax.ops.numerics import MASK_VALUE
 
@@ -271,9 +271,11 @@ class Drafter:
 
 def compute_params(p, mesh=None, split: bool | None = None):
     """The drafter weights the generation programs run on: per-layer buffers when ``split`` (None: where the
-    target's rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for this process's backend)."""
+    target's rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for the platform the programs run on:
+    the mesh's, else the default device's)."""
     if split is None:
-        split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), jax.default_backend(), mesh is not None)
+        platform = program_platform(Runtime(mesh=mesh))
+        split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), platform, mesh is not None)
     return split_stacks(p, ("layers",), "the drafter", split)
 
 
