@@ -40,7 +40,6 @@ from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import auto, engine
-from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.decoding.programs import Programs, Request, blank_costs, lay_out, relaid
@@ -68,7 +67,6 @@ class Model:
         self.drafter = drafter            # kimi_jax.decoding.drafter.Drafter or None
         self.runtime = (runtime or Runtime()).replace(mesh=mesh)   # kernels + mesh, passed to every program
         self.programs = Programs(self.runtime)   # the compiled programs: kimi_jax.decoding.programs
-        self._costs = {}
         self._compute_params = None
         self._drafter_params = None
 
@@ -247,24 +245,9 @@ class Model:
 
     def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
-        backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
-        spec = request.spec
-        key = costs_lib.table_key(spec, request.prompt.shape[0], request.max_len)
-        if key not in self._costs:
-            table = costs_lib.load(key)
-            if table is None or table.shape[1] != len(spec.widths):
-                program, _ = self.program(request)
-                ones = np.ones((2, len(spec.widths)), np.float32)
-
-                def run(force, limit):
-                    state, _ = program(self.inputs(request, costs=ones, force=force, max_rounds=limit))
-                    rounds, outlook = jax.device_get((state.rounds, state.policy.outlook))
-                    return int(rounds), outlook / request.prompt.shape[0]
-
-                table = costs_lib.measure(run, len(spec.widths))
-                costs_lib.save(key, table, spec.widths)
-            self._costs[key] = table
-        return self._costs[key]
+        backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program
+        (``Programs.cost_table``)."""
+        return self.programs.cost_table(request, lambda **kw: self.inputs(request, **kw))
 
     def _costs_arg(self, request: Request):
         if not request.spec.widths:

@@ -58,7 +58,6 @@ def test_servers_chunk_program_launches_rounds_as_generate_does():
         assert got["in_graphs"] == got["gpu_ops"]
     per_round = {name: {k: v for k, v in got["by_scope"].items() if k.split("/")[0] in ROUND_STAGES}
                  for name, got in counts.items()}
-    print({name: (got["gpu_ops"], sum(per_round[name].values()), per_round[name]) for name, got in counts.items()})
     # every round stage as many GPU ops as generate's or one fewer (2026-12-06: 281 against 283 per round, one
     # fewer in verify/attention/cache_write and in commit, XLA fusing the two programs' loops differently; the
     # rest equal), so the server's rounds launch no more than generate's

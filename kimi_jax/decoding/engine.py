@@ -184,8 +184,9 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
             raise ValueError("a paged cache (Runtime.page_size) needs pool_pages (kimi_jax.cache.pool_size)")
         if prefix is not None:
             raise ValueError("a cached prefix is copied into a contiguous cache; this one is paged")
-        cache = init_paged_cache(cfg, row_capacity(prompt_lens, max_new, spec), max_len, spec.rt.page_size,
-                                 pool_pages, params["embed"].dtype)
+        # the pages a row can touch: up to its own new-token limit, not the program's output slots
+        capacity = row_capacity(prompt_lens, jnp.minimum(inputs.max_tokens, max_new), spec)
+        cache = init_paged_cache(cfg, capacity, max_len, spec.rt.page_size, pool_pages, params["embed"].dtype)
     else:
         cache = init_cache(cfg, b, max_len, params["embed"].dtype)
     start = jnp.zeros((b,), jnp.int32)

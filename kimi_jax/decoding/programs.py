@@ -3,14 +3,16 @@
 Everything that runs the engine gets its programs here (``kimi_jax.api.Model``'s generate, stream and prefill,
 the server's batcher, the benchmarks), so every program is compiled the same way: once per shape, with
 ``kimi_jax.config.compile_options`` for the platform of the devices it runs on (on GPUs: the round loop as one
-CUDA graph, no host read per round), and a log line when it happens.
+CUDA graph, no host read per round), and a log line when it happens. The auto policy's cost table is
+calibrated here too (``Programs.cost_table``), by timing the generate program that serves the request.
 
 Layout (``lay_out``): prompts are right-padded to a power of two (at least 16), ``max_new_tokens`` to a power of
 two (at least 16, at most what the context leaves): the program's static output slots. The actual count is a
 run-time input (``engine.Inputs.max_tokens``), so a new length within a bucket reuses the compiled program and
 emits exactly the tokens it would have with its own. The cache's slots per row are the prompt + output slots +
 one tree, rounded up to a power of two (at least 64) and capped at the context, so they too are the same for
-every length of a bucket.
+every length of a bucket. A paged cache's pool holds the pages the rows can touch at their actual lengths
+(``kimi_jax.cache.pool_size``: rounded up to 8 pages), as before.
 
 Compile log: each compile logs one line at INFO on the ``kimi_jax`` logger, naming the program, its shapes and
 the seconds (``compiled generate ddtree/16 batch 1 prompt 16 max_new 64 cache 128 in 14.8s``).
@@ -29,6 +31,7 @@ import numpy as np
 from kimi_jax import sharding
 from kimi_jax.cache import pool_size
 from kimi_jax.config import ModelConfig, Runtime, compile_options
+from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import engine
 
 log = logging.getLogger("kimi_jax")
@@ -89,7 +92,7 @@ def layout(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, lens: np.ndarray, m
         return max_new, max_len, 0
     # Logical rows in whole pages; the pool holds only the pages each row can touch.
     max_len = -(-max_len // page) * page
-    return max_new, max_len, pool_size(engine.row_capacity(lens, max_new, spec), max_len, page)
+    return max_new, max_len, pool_size(engine.row_capacity(lens, max_tokens, spec), max_len, page)
 
 
 def lay_out(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, rows: list[list[int]], max_tokens: int) -> Request:
@@ -127,6 +130,7 @@ class Programs:
         self.runtime = runtime
         self.options = compile_options(platform(runtime.mesh), runtime) if options is None else options
         self._compiled = {}
+        self._costs = {}
 
     def compiled(self, key: tuple, lower: Callable[[], jax.stages.Lowered], what: str):
         """-> (the program ``lower()`` lowers, compiled for ``key`` once; seconds compiled now). ``what``
@@ -140,6 +144,28 @@ class Programs:
         log.info("compiled %s in %.1fs", what, seconds)
         self._compiled[key] = compiled
         return compiled, seconds
+
+    def cost_table(self, request: Request, inputs: Callable[..., engine.Inputs]) -> np.ndarray:
+        """The auto policy's cost table for the request's batch and cache (``kimi_jax.decoding.costs``): from
+        memory, the disk cache, or measured now by running the request's generate program, the very program
+        that serves it. ``inputs(costs=, force=, max_rounds=)``: the request's Inputs."""
+        spec = request.spec
+        key = costs_lib.table_key(spec, request.prompt.shape[0], request.max_len)
+        if key not in self._costs:
+            table = costs_lib.load(key)
+            if table is None or table.shape[1] != len(spec.widths):
+                ones = blank_costs(spec)
+                program, _ = self.generate(request, inputs(costs=ones))
+
+                def run(force, limit):
+                    state, _ = program(inputs(costs=ones, force=force, max_rounds=limit))
+                    rounds, outlook = jax.device_get((state.rounds, state.policy.outlook))
+                    return int(rounds), outlook / request.prompt.shape[0]
+
+                table = costs_lib.measure(run, len(spec.widths))
+                costs_lib.save(key, table, spec.widths)
+            self._costs[key] = table
+        return self._costs[key]
 
     # ---- lowering: the same programs for any inputs (another mesh, abstract weights) ----------------------
     def lower_generate(self, request: Request, inputs: engine.Inputs) -> jax.stages.Lowered:
