@@ -6,13 +6,15 @@ the server's batcher, the benchmarks), so every program is compiled the same way
 CUDA graph, no host read per round), and a log line when it happens. The auto policy's cost table is
 calibrated here too (``Programs.cost_table``), by timing the generate program that serves the request.
 
-Layout (``lay_out``): prompts are right-padded to a power of two (at least 16), ``max_new_tokens`` to a power of
-two (at least 16, at most what the context leaves): the program's static output slots. The actual count is a
-run-time input (``engine.Inputs.max_tokens``), so a new length within a bucket reuses the compiled program and
-emits exactly the tokens it would have with its own. The cache's slots per row are the prompt + output slots +
-one tree, rounded up to a power of two (at least 64) and capped at the context, so they too are the same for
-every length of a bucket. A paged cache's pool holds the pages the rows can touch at their actual lengths
-(``kimi_jax.cache.pool_size``: rounded up to 8 pages), as before.
+Layout (``lay_out``): prompts are right-padded to a power of two (at least 16). The cache's slots per row are
+the longest prompt + ``max_new_tokens`` + one tree, rounded up to a power of two (at least 64) and capped at the
+context, as before; the program's static output slots are ``max_new_tokens`` rounded up to a power of two (at
+least 16), at most the cache's slots. The actual count is a run-time input (``engine.Inputs.max_tokens``), so
+a new length reuses the compiled program wherever it gives the same two buckets (and prompt width), and emits
+exactly the tokens it would have with a program of its own. The cache is not grown to the output bucket: a
+request never holds more cache than its own length needs (a length that crosses a cache bucket compiles). A
+paged cache's pool holds the pages the rows can touch at their actual lengths (``kimi_jax.cache.pool_size``:
+rounded up to 8 pages), as before.
 
 Compile log: each compile logs one line at INFO on the ``kimi_jax`` logger, naming the program, its shapes and
 the seconds (``compiled generate ddtree/16 batch 1 prompt 16 max_new 64 cache 128 in 14.8s``).
@@ -83,10 +85,8 @@ class Request:
 def layout(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, lens: np.ndarray, max_tokens: int) -> tuple[int, int, int]:
     """(output slots, cache slots per row, page-pool pages or 0) for rows of prompt lengths ``lens`` that emit up
     to ``max_tokens`` new tokens under ``spec``: the bucketing rule of the module doc."""
-    context = cfg.max_position_embeddings
-    room = context - int(lens.max()) - spec.nodes - 1         # >= max_tokens: the caller checked
-    max_new = max(min(bucket(max_tokens), room), max_tokens)
-    max_len = min(bucket(int(lens.max()) + max_new + spec.nodes + 1, 64), context)
+    max_len = min(bucket(int(lens.max()) + max_tokens + spec.nodes + 1, 64), cfg.max_position_embeddings)
+    max_new = min(bucket(max_tokens), max_len)      # two buckets: one value for every length sharing them
     page = rt.page_size
     if not page:
         return max_new, max_len, 0
