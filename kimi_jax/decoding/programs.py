@@ -82,7 +82,8 @@ class Request:
                 f"cache {self.max_len}" + (f" pool {self.pool_pages}" if self.pool_pages else ""))
 
 
-def layout(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, lens: np.ndarray, max_tokens: int) -> tuple[int, int, int]:
+def layout(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, lens: np.ndarray,
+           max_tokens: int) -> tuple[int, int, int]:
     """(output slots, cache slots per row, page-pool pages or 0) for rows of prompt lengths ``lens`` that emit up
     to ``max_tokens`` new tokens under ``spec``: the bucketing rule of the module doc."""
     max_len = min(bucket(int(lens.max()) + max_tokens + spec.nodes + 1, 64), cfg.max_position_embeddings)
@@ -132,16 +133,16 @@ class Programs:
         self._compiled = {}
         self._costs = {}
 
-    def compiled(self, key: tuple, lower: Callable[[], jax.stages.Lowered], what: str):
-        """-> (the program ``lower()`` lowers, compiled for ``key`` once; seconds compiled now). ``what``
-        names it in the compile log line."""
+    def compiled(self, key: tuple, lower: Callable[[], jax.stages.Lowered], what: Callable[[], str]):
+        """-> (the program ``lower()`` lowers, compiled for ``key`` once; seconds compiled now). ``what()``
+        names it in the compile log line (made only then: the chunk program is looked up every dispatch)."""
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
         with sharding.mesh_context(self.runtime.mesh):
             compiled = lower().compile(self.options)
         seconds = time.perf_counter() - t0
-        log.info("compiled %s in %.1fs", what, seconds)
+        log.info("compiled %s in %.1fs", what(), seconds)
         self._compiled[key] = compiled
         return compiled, seconds
 
@@ -189,7 +190,7 @@ class Programs:
     def generate(self, request: Request, inputs: engine.Inputs):
         """The whole generation in one dispatch: call it on ``inputs`` -> (state, NaN flag)."""
         return self.compiled(("generate",) + request.key, lambda: self.lower_generate(request, inputs),
-                             f"generate {request.describe()}")
+                             lambda: f"generate {request.describe()}")
 
     def prefill(self, request: Request, inputs: engine.Inputs, rows: bool = False):
         """The prompt's dispatch -> (state, NaN flag[, drafter context rows with ``rows``]). ``inputs.prefix``
@@ -197,7 +198,7 @@ class Programs:
         name = "prefill_rows" if rows else "prefill"
         prefix = jax.tree.map(lambda a: (a.shape, str(a.dtype)), inputs.prefix)
         return self.compiled((name, prefix) + request.key, lambda: self.lower_prefill(request, inputs, rows),
-                             f"{name} {request.describe()}" + (" with a cached prefix" if prefix else ""))
+                             lambda: f"{name} {request.describe()}" + (" with a cached prefix" if prefix else ""))
 
     def chunk(self, request: Request, inputs: engine.Inputs):
         """Up to a run-time number of rounds from the state the request's prefill makes (donated): call it as
@@ -206,7 +207,7 @@ class Programs:
             state, _ = self.prefill(request, inputs)[0].out_info      # shapes and shardings of the state
             return self.lower_chunk(request, inputs, state)
         return self.compiled(("chunk", request.spec, request.prompt.shape[0], request.max_new, request.layout), lower,
-                             f"chunk {request.describe()}")
+                             lambda: f"chunk {request.describe()}")
 
     def advance(self, request: Request, inputs: engine.Inputs, state, rounds: int):
         """Run up to ``rounds`` more rounds of ``state`` (donated) in one dispatch -> (state, NaN flag): the one
@@ -219,5 +220,5 @@ class Programs:
         shape of them."""
         leaves, tree = jax.tree.flatten(args)
         key = (fn.__name__, tree, tuple((np.shape(a), str(a.dtype)) for a in leaves))
-        program, _ = self.compiled(key, lambda: fn.lower(*args), f"{fn.__name__} of {np.shape(leaves[0])}")
+        program, _ = self.compiled(key, lambda: fn.lower(*args), lambda: f"{fn.__name__} of {np.shape(leaves[0])}")
         return program(*args)
