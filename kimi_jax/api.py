@@ -267,8 +267,10 @@ class Model:
         when its programs were compiled before, e.g. for another length of the same bucket),
         dispatches, and drafter: "on" (a drafter ran), "off (calibrated)" (an auto request ran as AR, see
         ``resolve``) or "none" (method ar)."""
+        compiled_before = self.programs.compile_s       # resolve may compile (calibrating the cost table)
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
-        program, compile_s = self.program(request)
+        program, _ = self.program(request)
+        compile_s = self.programs.compile_s - compiled_before
         inputs = self.inputs(request, temperature, seed)
         t0 = time.perf_counter()
         state, nan = program(inputs)
@@ -297,10 +299,12 @@ class Model:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
         the caller's time between items)."""
+        compiled_before = self.programs.compile_s
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         inputs = self.inputs(request, temperature, seed)
-        prefill, prefill_s = self.programs.prefill(request, self._compile_inputs(request))
-        _, chunk_s = self.programs.chunk(request, self._compile_inputs(request))
+        prefill, _ = self.programs.prefill(request, self._compile_inputs(request))
+        self.programs.chunk(request, self._compile_inputs(request))
+        compile_s = self.programs.compile_s - compiled_before
         rows = len(request.lens)
         busy, t0 = 0.0, time.perf_counter()
         state, nan = prefill(inputs)
@@ -321,7 +325,7 @@ class Model:
         _check_finite(nan)
         accepted, width, rounds = jax.device_get((state.stats.accepted, state.stats.width, state.rounds))
         busy += time.perf_counter() - t0
-        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, prefill_s + chunk_s, dispatches)
+        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches)
 
 
 def device_memory_bytes() -> int | None:

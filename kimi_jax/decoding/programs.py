@@ -132,6 +132,7 @@ class Programs:
         self.options = compile_options(platform(runtime.mesh), runtime) if options is None else options
         self._compiled = {}
         self._costs = {}
+        self.compile_s = 0.0          # seconds spent compiling so far: a call's share is the difference
 
     def compiled(self, key: tuple, lower: Callable[[], jax.stages.Lowered], what: Callable[[], str]):
         """-> (the program ``lower()`` lowers, compiled for ``key`` once; seconds compiled now). ``what()``
@@ -142,6 +143,7 @@ class Programs:
         with sharding.mesh_context(self.runtime.mesh):
             compiled = lower().compile(self.options)
         seconds = time.perf_counter() - t0
+        self.compile_s += seconds
         log.info("compiled %s in %.1fs", what(), seconds)
         self._compiled[key] = compiled
         return compiled, seconds
