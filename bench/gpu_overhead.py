@@ -60,7 +60,7 @@ def embedded_generate(target: str) -> list[dict]:
     import kimi_jax
     from kimi_jax.analysis import target_sweep, targets, thunks
     from kimi_jax.config import Runtime, compile_options
-    from kimi_jax.decoding import engine
+    from kimi_jax.decoding.programs import Programs
     from kimi_jax.model.compute_layout import split_stacks
 
     model = kimi_jax.load(str(ROOT / "checkpoints" / "target"), drafter=str(ROOT / "checkpoints" / "drafter"))
@@ -68,8 +68,7 @@ def embedded_generate(target: str) -> list[dict]:
     inputs = model.inputs(request).replace(params=split_stacks(model.params))   # as stored: INT4, per layer
     inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     mesh = targets.compile_mesh(target, 1)
-    with targets.lowering_for(mesh):
-        lowered = jax.jit(engine.generate_program, static_argnames=engine.STATICS).lower(inputs, **request.statics)
+    lowered = Programs(Runtime(mesh=mesh)).lower_generate(request, inputs)    # lowered as kimi_jax lowers it
     rows = []
     for graph_loops in (False, True):
         t0 = time.perf_counter()

@@ -33,7 +33,6 @@ def main(argv=None):
     import kimi_jax
     from kimi_jax.config import Runtime, preset
     from bench.steady import steady_rounds_program
-    from kimi_jax.decoding import engine
     from kimi_jax.model.params import init_params
 
     cfg = preset("tiny").replace(max_position_embeddings=65536)
@@ -44,7 +43,7 @@ def main(argv=None):
         prompt = [rng.integers(2, cfg.vocab_size, ctx - 100).tolist()]   # + 65 new: a cache of ctx slots
         request = model.prepare(prompt, 65, "ar")
         inputs = model.inputs(request)
-        prefill = engine.prefill_program.lower(inputs, **request.statics).compile()
+        prefill, _ = model.programs.prefill(request, inputs)
         state, _ = prefill(inputs)
         jax.block_until_ready(state)
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Load test of `python -m kimi_jax.serve` on loopback: throughput and latency at several concurrencies, ar vs ddtree.
 
-    python -m bench.serve [--requests 64] [--concurrency 1 4 16] [--max-tokens 64] [--slots 16]
+    python -m bench.serve [--requests 64] [--concurrency 1 4 16] [--max-tokens 64] [--slots 16] [--max-len 256]
                           [--conversations 8] [--turns 4] [--system-tokens 512]
 
 For each method it starts one server (the embedded default, greedy), sends the same `--requests` completions
@@ -162,6 +162,8 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=256, help="the server's cache slots per row (prompt + max tokens "
+                    "+ one tree must fit: 512 for --max-tokens 256)")
     ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"])
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
@@ -176,7 +178,7 @@ def main(argv=None):
     for method in a.methods:
         alone = generate_alone(model, prompts, a.max_tokens, method)
         print(f"{method}: Model.generate alone {alone} tok/s", flush=True)
-        proc, url, warm = start(method, a.slots, a.max_tokens)
+        proc, url, warm = start(method, a.slots, a.max_tokens, a.max_len)
         print(f"{method}: server up in {warm:.0f}s", flush=True)
         one(url, prompts[0], 8)                                    # first request after warm-up, not timed
         for c in a.concurrency:

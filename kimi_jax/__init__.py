@@ -3,7 +3,7 @@
 import importlib
 
 _EXPORTS = {"Generation": "kimi_jax.api", "Model": "kimi_jax.api", "load": "kimi_jax.api",
-            "Request": "kimi_jax.api",
+            "Request": "kimi_jax.decoding.programs",
             "ModelConfig": "kimi_jax.config", "Runtime": "kimi_jax.config", "param_count": "kimi_jax.config",
             "preset": "kimi_jax.config"}
 __all__ = list(_EXPORTS)

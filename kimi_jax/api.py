@@ -5,20 +5,22 @@
     out = model.generate("def fib(n):", max_new_tokens=64, method="ddtree", budget=32)
     out.text, out.tokens, out.stats
 
-``generate`` compiles one program per (method, budget, batch, bucketed lengths) ahead of time and runs the
-whole generation in a single dispatch; ``stream`` runs a fixed number of rounds per dispatch and yields the
-tokens each chunk accepted. Under both, the program API, for code that drives the engine itself (benchmarks,
-the notebook, the server):
+``generate`` compiles one program per (method, budget, batch, bucketed lengths: prompt and max_new_tokens,
+``kimi_jax.decoding.programs``) ahead of time and runs the whole generation in a single dispatch; ``stream`` runs
+a fixed number of rounds per dispatch and yields the tokens each chunk accepted. This class validates what a
+user gives and formats what comes back; the layout and the compiled programs are ``kimi_jax.decoding.programs``'
+(``Model.programs``). Under both, the program API, for code that drives the engine itself (benchmarks, the
+notebook, the server):
 
     request = model.prepare(prompt, 64, "ddtree", 16)    # validated and laid out: a Request
     request = model.resolve(request)                     # auto: the AR request where calibrated trees lose
     lowered = model.lower(request)                       # .compile(), .as_text(), cost and memory analysis
-    program, compile_s = model.program(request)          # compiled once per shape
+    program, compile_s = model.program(request)          # compiled once per shape (compile_s: 0.0 after that)
     state, nan = program(model.inputs(request, temperature=0.0, seed=0))   # one pytree of inputs
     engine.generate_program.lower(inputs, **request.statics)   # the same program for any inputs (another mesh,
                                                                 # abstract weights)
 
-``prefill`` runs a request's first dispatch (``stream`` continues it with ``engine.chunk_program``);
+``prefill`` runs a request's first dispatch (``stream`` continues it with ``model.programs.advance``);
 ``cost_table`` is the auto policy's calibrated costs.
 """
 
@@ -35,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import fields, sharding
-from kimi_jax.cache import init_cache, pool_size
-from kimi_jax.config import ModelConfig, Runtime, compile_options
+from kimi_jax.cache import init_cache
+from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import auto, engine
-from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
+from kimi_jax.decoding.programs import Programs, Request, blank_costs, lay_out, relaid
+from kimi_jax.decoding.programs import platform as _platform
 from kimi_jax.model.compute_layout import compute_params, own_buffers
 from kimi_jax.model.params import check_global_mesh, param_shardings
 from kimi_jax.model.transformer import chunked_forward, full_logits
@@ -49,42 +52,11 @@ from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
 
 
-@dataclasses.dataclass(frozen=True, eq=False)     # holds arrays: identity, not elementwise, equality
-class Request:
-    """A validated request laid out for the engine's programs (``Model.prepare``)."""
-    spec: engine.Spec          # the static program description: method, tree width(s), sampling, drafter block
-    prompt: np.ndarray         # [b, t] int32 token ids, right-padded to a bucketed length
-    lens: np.ndarray           # [b] int32 prompt lengths
-    max_new: int               # new tokens per row at most
-    max_len: int               # cache slots per row (bucketed)
-    pool_pages: int = 0        # page-pool pages of a paged cache; 0 for the contiguous cache
-    drafter_off: bool = False  # ``Model.resolve`` made an auto request the ar request (calibrated: trees lose)
-
-    @property
-    def layout(self) -> tuple[int, int]:
-        return self.max_len, self.pool_pages
-
-    @property
-    def statics(self) -> dict:
-        """The static arguments of the engine's programs for this request: ``spec`` and the cache layout."""
-        return dict(spec=self.spec, max_new=self.max_new, max_len=self.max_len, pool_pages=self.pool_pages)
-
-
 @dataclasses.dataclass
 class Generation:
     tokens: list[list[int]]            # new tokens per batch row (stop token kept)
     text: list[str] | None             # decoded tokens when a tokenizer is loaded
     stats: dict                        # see Model.generate
-
-
-def _blank_costs(spec: engine.Spec):
-    """A cost table of the right shape for compiling (its values are runtime inputs); None without widths."""
-    return np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Round lengths up to a power of two so a handful of programs serve every prompt length."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 class Model:
@@ -95,8 +67,7 @@ class Model:
         self.tokenizer = tokenizer
         self.drafter = drafter            # kimi_jax.decoding.drafter.Drafter or None
         self.runtime = (runtime or Runtime()).replace(mesh=mesh)   # kernels + mesh, passed to every program
-        self._programs = {}
-        self._costs = {}
+        self.programs = Programs(self.runtime)   # the compiled programs: kimi_jax.decoding.programs
         self._compute_params = None
         self._drafter_params = None
 
@@ -204,24 +175,9 @@ class Model:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + tree ({spec.nodes + 1}) = {need} "
                 f"exceeds the context of {context}; shorten the prompt or lower max_new_tokens")
-        lens = np.asarray([len(r) for r in rows], np.int32)
-        max_len, pool = self._layout(spec, lens, max_new_tokens)
-        self._check_cache_fits(len(rows), max_len, pool)
-        padded = np.zeros((len(rows), min(bucket(longest), context)), np.int32)
-        for i, r in enumerate(rows):
-            padded[i, :len(r)] = r
-        return Request(spec, padded, lens, max_new_tokens, max_len, pool)
-
-    def _layout(self, spec: engine.Spec, lens: np.ndarray, max_new: int) -> tuple[int, int]:
-        """(cache slots per row, page-pool pages or 0) for rows of these prompt lengths under ``spec``."""
-        need = int(lens.max()) + max_new + spec.nodes + 1
-        max_len = min(bucket(need, 64), self.config.max_position_embeddings)
-        page = self.runtime.page_size
-        if not page:
-            return max_len, 0
-        # Logical rows in whole pages; the pool holds only the pages each row can touch.
-        max_len = -(-max_len // page) * page
-        return max_len, pool_size(engine.row_capacity(lens, max_new, spec), max_len, page)
+        request = lay_out(self.config, self.runtime, spec, rows, max_new_tokens)
+        self._check_cache_fits(len(rows), request.max_len, request.pool_pages)
+        return request
 
     def resolve(self, request: Request) -> Request:
         """The request as it should run. An auto ddtree request (``spec.widths``) whose calibrated cost table
@@ -233,8 +189,7 @@ class Model:
         if not spec.widths or not auto.drafter_off(self.cost_table(request)):
             return request
         ar = self.spec("ar", None, 1.0 if spec.sample else 0.0)        # the same sampling, no drafter
-        max_len, pool = self._layout(ar, request.lens, request.max_new)
-        return dataclasses.replace(request, spec=ar, max_len=max_len, pool_pages=pool, drafter_off=True)
+        return relaid(self.config, self.runtime, request, ar, drafter_off=True)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
         """A GenerationError naming the bytes if the latent cache (+ drafter features) cannot fit the device."""
@@ -265,74 +220,35 @@ class Model:
             prompt=np.asarray(request.prompt, np.int32), lens=np.asarray(request.lens, np.int32),
             temperature=np.float32(max(temperature, 1e-6)), seed=np.uint32(seed),
             costs=None if costs is None else np.asarray(costs, np.float32), force=np.int32(force),
-            max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds))
+            max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop))
 
     def lower(self, request: Request) -> jax.stages.Lowered:
         """The whole-generation program lowered for the request's shapes (and this model's mesh):
         ``.compile()``, ``.as_text()``, ``.compile().memory_analysis()`` / ``cost_analysis()``."""
-        with sharding.mesh_context(self.mesh):
-            return engine.generate_program.lower(self.inputs(request, costs=_blank_costs(request.spec)),
-                                                 **request.statics)
+        return self.programs.lower_generate(request, self._compile_inputs(request))
 
-    def _compiled(self, key, lower):
-        """-> (the program ``lower()`` lowers, compiled once per key with the platform's ``compile_options``; the
-        seconds lowering and compiling took)."""
-        if key not in self._programs:
-            t0 = time.perf_counter()
-            with sharding.mesh_context(self.mesh):
-                compiled = lower().compile(compile_options(_platform(self.mesh), self.runtime))
-            self._programs[key] = (compiled, time.perf_counter() - t0)
-        return self._programs[key]
+    def _compile_inputs(self, request: Request) -> engine.Inputs:
+        """Inputs to lower the request's programs with (an auto request's cost table blank: calibrating it needs
+        the program)."""
+        return self.inputs(request, costs=blank_costs(request.spec))
 
     def program(self, request: Request):
-        """-> (the compiled whole-generation program for the request's shapes, seconds it took to compile);
-        compiled once per (spec, prompt shape, max_new, cache layout). Call it on ``inputs(request, ...)``."""
-        return self._compiled(("generate", request.spec, request.prompt.shape, request.max_new, request.layout),
-                              lambda: self.lower(request))
-
-    def _prefill_program(self, request: Request):
-        """-> (engine.prefill_program compiled for the request's shapes, seconds it took to compile)."""
-        return self._compiled(
-            ("prefill", request.spec, request.prompt.shape, request.max_new, request.layout),
-            lambda: engine.prefill_program.lower(self.inputs(request, costs=_blank_costs(request.spec)),
-                                                 **request.statics))
-
-    def _chunk_program(self, request: Request):
-        """-> (engine.chunk_program compiled for the state the request's prefill makes, seconds it took to
-        compile)."""
-        spec = request.spec
-        state, _ = self._prefill_program(request)[0].out_info        # shapes and shardings of the state
-        return self._compiled(
-            ("chunk", spec, request.prompt.shape[0], request.max_new, request.layout),
-            lambda: engine.chunk_program.lower(self.compute_params, self.drafter_params, state, _blank_costs(spec),
-                                               np.int32(0), spec=spec))
+        """-> (the compiled whole-generation program for the request's shapes, the seconds this call spent
+        compiling it: 0.0 when it was compiled before); compiled once per (spec, prompt shape, output slots,
+        cache layout), with ``kimi_jax.decoding.programs``. Call it on ``inputs(request, ...)``."""
+        return self.programs.generate(request, self._compile_inputs(request))
 
     def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
         """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
-        engine.chunk_program."""
-        program, _ = self._prefill_program(request)
+        ``self.programs.advance``."""
+        program, _ = self.programs.prefill(request, self._compile_inputs(request))
         return program(self.inputs(request, temperature, seed))
 
     def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
-        backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program."""
-        spec = request.spec
-        key = costs_lib.table_key(spec, request.prompt.shape[0], request.max_len)
-        if key not in self._costs:
-            table = costs_lib.load(key)
-            if table is None or table.shape[1] != len(spec.widths):
-                program, _ = self.program(request)
-                ones = np.ones((2, len(spec.widths)), np.float32)
-
-                def run(force, limit):
-                    state, _ = program(self.inputs(request, costs=ones, force=force, max_rounds=limit))
-                    rounds, outlook = jax.device_get((state.rounds, state.policy.outlook))
-                    return int(rounds), outlook / request.prompt.shape[0]
-
-                table = costs_lib.measure(run, len(spec.widths))
-                costs_lib.save(key, table, spec.widths)
-            self._costs[key] = table
-        return self._costs[key]
+        backend (kimi_jax.decoding.costs): from memory, the disk cache, or measured now with the generation program
+        (``Programs.cost_table``)."""
+        return self.programs.cost_table(request, lambda **kw: self.inputs(request, **kw))
 
     def _costs_arg(self, request: Request):
         if not request.spec.widths:
@@ -348,11 +264,14 @@ class Model:
         costs say no tree can pay, the call runs the plain AR program instead (``resolve``).
 
         stats: new_tokens, rounds, tau_per_round and width_per_round (per row / per round), mean_tau, seconds and
-        tokens_per_s (the dispatches only), compile_s (the programs' compile, once per shape, not in seconds),
+        tokens_per_s (the dispatches only), compile_s (the seconds this call spent compiling, not in seconds: 0.0
+        when its programs were compiled before, e.g. for another length of the same bucket),
         dispatches, and drafter: "on" (a drafter ran), "off (calibrated)" (an auto request ran as AR, see
         ``resolve``) or "none" (method ar)."""
+        compiled_before = self.programs.compile_s       # resolve may compile (calibrating the cost table)
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
-        program, compile_s = self.program(request)
+        program, _ = self.program(request)
+        compile_s = self.programs.compile_s - compiled_before
         inputs = self.inputs(request, temperature, seed)
         t0 = time.perf_counter()
         state, nan = program(inputs)
@@ -381,10 +300,12 @@ class Model:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
         the caller's time between items)."""
+        compiled_before = self.programs.compile_s
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
         inputs = self.inputs(request, temperature, seed)
-        prefill, prefill_s = self._prefill_program(request)
-        chunk_rounds, chunk_s = self._chunk_program(request)
+        prefill, _ = self.programs.prefill(request, self._compile_inputs(request))
+        self.programs.chunk(request, self._compile_inputs(request))
+        compile_s = self.programs.compile_s - compiled_before
         rows = len(request.lens)
         busy, t0 = 0.0, time.perf_counter()
         state, nan = prefill(inputs)
@@ -399,19 +320,13 @@ class Model:
                 t0 = time.perf_counter()
             if done.all() or bool(nan):
                 break
-            state, bad = chunk_rounds(inputs.params, inputs.drafter_params, state, inputs.costs,
-                                      np.int32(rounds_per_dispatch))
+            state, bad = self.programs.advance(request, inputs, state, rounds_per_dispatch)
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)
         accepted, width, rounds = jax.device_get((state.stats.accepted, state.stats.width, state.rounds))
         busy += time.perf_counter() - t0
-        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, prefill_s + chunk_s, dispatches)
-
-
-def _platform(mesh) -> str:
-    """The platform of the devices the weights and programs live on: the mesh's, else this process's default."""
-    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches)
 
 
 def device_memory_bytes() -> int | None:

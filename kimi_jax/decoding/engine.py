@@ -16,7 +16,9 @@ own choices (argmax, or one sample per node), commit moves the accepted rows int
 ``path_len`` tokens (accepted nodes plus the new bonus). ``generate_program`` runs prefill and all rounds
 inside one ``lax.while_loop``: one dispatch per call. ``chunk_program`` runs a given number of rounds per
 dispatch for streaming. A program's run-time inputs are one pytree (``Inputs``); what is fixed per compile is
-the ``Spec`` and the cache layout (``max_new``, ``max_len``, ``pool_pages``).
+the ``Spec`` and the layout (``max_new``: output slots per row, ``max_len``, ``pool_pages``). How many new tokens
+a row may emit is a run-time input (``Inputs.max_tokens``, kept per row in ``State.limit``), so one program
+serves every length up to its ``max_new`` (``kimi_jax.decoding.programs`` buckets it).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Inputs:
     costs: jax.Array | None = None   # auto: the cost table [2, len(widths)] (kimi_jax.decoding.costs); else None
     force: jax.Array = -1         # auto: a width index every round verifies (calibration), -1 = the policy plans
     max_rounds: jax.Array = 2 ** 30   # rounds to run at most (calibration times rounds with the serving program)
+    max_tokens: jax.Array = 2 ** 30   # new tokens per row at most (the static max_new bounds it)
     prefix: Prefix | None = None  # cached pages the prompts continue (prompt/lens are then the rest of each prompt)
 
 
@@ -103,6 +106,7 @@ class State:
     bonus: jax.Array              # [b] int32: emitted, not yet in the cache
     out: jax.Array                # [b, max_new] int32 emitted tokens
     n_out: jax.Array              # [b] int32
+    limit: jax.Array              # [b] int32: new tokens the row may emit (a run-time input, <= out's width)
     done: jax.Array               # [b] bool
     rounds: jax.Array             # int32 scalar
     key: jax.Array
@@ -132,9 +136,10 @@ def _check_logits(logits):
     return jnp.any(jnp.isnan(logits))
 
 
-def _emit(state: State, new_tokens, count, eos_ids, max_new):
-    """Append new_tokens[:, :count] to the output, stopping at the first eos or at max_new."""
+def _emit(state: State, new_tokens, count, eos_ids):
+    """Append new_tokens[:, :count] to the output, stopping at the first eos or at the row's limit."""
     b, width = new_tokens.shape
+    max_new = state.out.shape[1]
     j = jnp.arange(width)[None, :]
     valid = j < count[:, None]
     is_eos = jnp.zeros_like(valid)
@@ -142,12 +147,12 @@ def _emit(state: State, new_tokens, count, eos_ids, max_new):
         is_eos |= new_tokens == e
     first_eos = jnp.min(jnp.where(valid & is_eos, j, width), axis=1)
     count = jnp.minimum(count, first_eos + 1)                         # keep the stop token itself
-    count = jnp.minimum(count, max_new - state.n_out)
+    count = jnp.minimum(count, state.limit - state.n_out)
     count = jnp.where(state.done, 0, count)
     dst = jnp.where(j < count[:, None], state.n_out[:, None] + j, max_new)
     out = state.out.at[jnp.arange(b)[:, None], dst].set(new_tokens, mode="drop")
     n_out = state.n_out + count
-    done = state.done | (first_eos < count) | (n_out >= max_new)
+    done = state.done | (first_eos < count) | (n_out >= state.limit)
     return out, n_out, done
 
 
@@ -179,8 +184,9 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
             raise ValueError("a paged cache (Runtime.page_size) needs pool_pages (kimi_jax.cache.pool_size)")
         if prefix is not None:
             raise ValueError("a cached prefix is copied into a contiguous cache; this one is paged")
-        cache = init_paged_cache(cfg, row_capacity(prompt_lens, max_new, spec), max_len, spec.rt.page_size,
-                                 pool_pages, params["embed"].dtype)
+        # the pages a row can touch: up to its own new-token limit, not the program's output slots
+        capacity = row_capacity(prompt_lens, jnp.minimum(inputs.max_tokens, max_new), spec)
+        cache = init_paged_cache(cfg, capacity, max_len, spec.rt.page_size, pool_pages, params["embed"].dtype)
     else:
         cache = init_cache(cfg, b, max_len, params["embed"].dtype)
     start = jnp.zeros((b,), jnp.int32)
@@ -210,11 +216,12 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
         drafter, rows = dflash.prefill_features(inputs.drafter_params, spec.drafter_cfg, params, fwd.taps,
                                                 prompt_lens, max_len, start, earlier)
     state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
-                  n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool), rounds=jnp.int32(0), key=key,
-                  temperature=jnp.asarray(inputs.temperature, jnp.float32),
+                  n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
+                  limit=jnp.full((b,), jnp.minimum(inputs.max_tokens, max_new), jnp.int32), rounds=jnp.int32(0),
+                  key=key, temperature=jnp.asarray(inputs.temperature, jnp.float32),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
                   policy=auto.start(spec.widths, inputs.costs, b))
-    out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids, max_new)
+    out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids)
     return state.replace(out=out, n_out=n_out, done=done), _check_logits(last), rows
 
 
@@ -259,7 +266,7 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     # Place the bonus right after the accepted nodes: new_tokens[path_len - 1] = bonus.
     j = jnp.arange(new_tokens.shape[1])[None, :]
     new_tokens = jnp.where(j == (r.path_len - 1)[:, None], r.bonus[:, None], new_tokens)
-    out, n_out, done = _emit(state, new_tokens, r.path_len, spec.cfg.eos_token_ids, state.out.shape[1])
+    out, n_out, done = _emit(state, new_tokens, r.path_len, spec.cfg.eos_token_ids)
     i = jnp.minimum(state.rounds, state.stats.accepted.shape[1] - 1)
     stats = Stats(accepted=state.stats.accepted.at[:, i].set(jnp.where(state.done, 0, r.path_len)),
                   width=state.stats.width.at[i].set(width))

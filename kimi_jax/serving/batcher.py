@@ -6,7 +6,7 @@ One thread owns the device. Each turn of its loop it
    output length as the batch) and ``join`` writes that row into the running batch state;
 2. delivers every slot's new tokens to its request and retires finished slots (eos, max_tokens, a stop string
    or a disconnect seen by the HTTP side): ``retire`` marks them done, so they stop emitting;
-3. runs rounds of the whole batch in one dispatch (``engine.chunk_program``).
+3. runs rounds of the whole batch in one dispatch (``Programs.advance``: the chunk program ``Model.stream`` runs).
 A slot freed in step 2 is reused in step 1 of the next turn; the other rows never stop.
 
 Rounds per dispatch: as many as fill ``dispatch_ms`` (10 ms by default) at the round time measured on the
@@ -30,8 +30,11 @@ What one batch shares, because it is one compiled program: the method and budget
 sampling, the temperature and the random key. A request whose temperature differs from the running batch's
 waits until that batch drains (greedy requests batch with each other, sampling requests with the same
 temperature batch with each other); ``seed`` is honoured only by a sampling request that starts a batch.
-Every program (the batch's rounds, join, retire and regroup for every slot bucket, the prefill of each
-prompt-length bucket) is compiled by ``warm()`` before the server listens. Under ``budget="auto"`` the drafter
+A request's ``max_tokens`` is its row's run-time limit (``engine.State.limit``): the row stops emitting there
+inside the dispatch. Every program (the batch's rounds, join, retire and regroup for every slot bucket, the
+prefill of each prompt-length bucket) comes from the model's program layer (``kimi_jax.decoding.programs``:
+compiled with the platform's ``compile_options``, as ``Model.generate``'s) and is compiled by ``warm()`` before
+the server listens. Under ``budget="auto"`` the drafter
 stays on only where trees can pay both for a lone request and for a full batch (``_spec``), and each slot bucket
 plans its rounds on its own calibrated cost table.
 
@@ -57,10 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import sharding
-from kimi_jax.api import Model, Request, bucket
+from kimi_jax.api import Model
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError, State
+from kimi_jax.decoding.programs import Request, bucket
 from kimi_jax.serving.prefix_cache import PrefixCache, PrefixStats
 
 
@@ -74,7 +77,7 @@ def row_axes(state: State):
     counter, key, temperature, width per round, the auto policy's memory)."""
     axes = jax.tree.map(lambda _: -1, state)
     return axes.replace(cache=axes.cache.replace(kv=1, lengths=0),
-                        drafter=jax.tree.map(lambda _: 1, state.drafter), bonus=0, out=0, n_out=0, done=0,
+                        drafter=jax.tree.map(lambda _: 1, state.drafter), bonus=0, out=0, n_out=0, limit=0, done=0,
                         stats=axes.stats.replace(accepted=0))
 
 
@@ -264,12 +267,12 @@ class Batcher:
                 rows.append(self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0)[0])
             below = None
             for slots in self.slot_buckets:
-                state = join(self._blank(sample, slots=slots), rows[0], np.int32(0))   # rows share one shape
-                state = self._dispatch(retire(state, np.ones(slots, bool)), sample)
+                state = self._run(join, self._blank(sample, slots=slots), rows[0], np.int32(0))  # one row shape
+                state = self._dispatch(self._run(retire, state, np.ones(slots, bool)), sample)
                 if below is not None:
-                    regroup(below, _moved(below.done.shape[0], slots))
+                    self._run(regroup, below, _moved(below.done.shape[0], slots))
                 for smaller in self.slot_buckets[:self.slot_buckets.index(slots)]:
-                    regroup(state, _moved(slots, smaller))
+                    self._run(regroup, state, _moved(slots, smaller))
                 below = state
         if self.prefix is not None:         # warm-up's pages are not anyone's prompt
             self.prefix.clear()
@@ -294,20 +297,23 @@ class Batcher:
             self._specs[sample] = spec
         return self._specs[sample]
 
-    def _program(self, sample, slots: int = 1):
-        """-> (the batch program's spec, its auto cost table or None) for ``slots`` slots: each bucket plans
-        its rounds on its own calibrated table (a width that pays for one row may not for sixteen)."""
+    def _program(self, sample, slots: int = 1) -> tuple[Request, engine.Inputs]:
+        """-> (the batch program's request, its inputs) for ``slots`` blank slots: the layout every state of the
+        bucket has, and the weights and auto cost table its rounds run on (each bucket plans its rounds on its
+        own calibrated table: a width that pays for one row may not for sixteen)."""
         if (sample, slots) not in self._programs:
             spec = self._spec(sample)
-            table = np.asarray(self.model.cost_table(self._request(spec, slots)), np.float32) if spec.widths else None
-            self._programs[sample, slots] = spec, table
+            request = self._request(spec, slots)
+            table = np.asarray(self.model.cost_table(request), np.float32) if spec.widths else None
+            self._programs[sample, slots] = request, self.model.inputs(request, costs=table)
         return self._programs[sample, slots]
 
-    def _request(self, spec, slots: int, prompt=None, lens=None) -> Request:
-        """The batch's program layout (max_new, max_len) for ``slots`` rows of ``prompt`` (default: blank)."""
+    def _request(self, spec, slots: int, prompt=None, lens=None, max_tokens: int | None = None) -> Request:
+        """The batch's program layout (max_new, max_len) for ``slots`` rows of ``prompt`` (default: blank) that
+        stop after ``max_tokens`` new tokens (default: max_new)."""
         if prompt is None:
             prompt, lens = np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32)
-        return Request(spec, prompt, lens, self.max_new, self.max_len)
+        return Request(spec, prompt, lens, self.max_new, self.max_len, max_tokens=max_tokens)
 
     @property
     def drafter_off(self) -> bool:
@@ -319,16 +325,18 @@ class Batcher:
         """Slots of the running batch state: the slot bucket in use."""
         return len(self._slots)
 
-    def _prefill(self, ids, sample, temperature, seed):
-        """-> (the one-row state of prompt ``ids``, its tokens the prefix cache served). With a prefix cache the
-        prefill starts after the prompt's cached pages, and the prompt's new whole pages join the cache."""
+    def _prefill(self, ids, sample, temperature, seed, max_tokens: int | None = None):
+        """-> (the one-row state of prompt ``ids`` that stops after ``max_tokens``, its tokens the prefix cache
+        served). With a prefix cache the prefill starts after the prompt's cached pages, and the prompt's new
+        whole pages join the cache."""
         prefix = None if self.prefix is None else self.prefix.lookup(ids)
         cached = 0 if prefix is None else int(prefix.length[0])
         rest = ids[cached:]
         t = next(b for b in self.buckets if b >= len(rest))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, :len(rest)] = rest
-        state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), sample, temperature, seed, prefix)
+        state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), sample, temperature, seed, prefix,
+                                        max_tokens)
         if prefix is not None:
             self.prefix.keep(ids, prefix, state, rows)
         return state, cached
@@ -338,26 +346,29 @@ class Batcher:
         slots = slots or self.slot_buckets[0]
         state, _ = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), sample,
                                      temperature, seed)
-        return retire(state, np.ones(slots, bool))
+        return self._run(retire, state, np.ones(slots, bool))
 
-    def _run_prefill(self, prompt, lens, sample, temperature, seed, prefix=None):
+    def _run_prefill(self, prompt, lens, sample, temperature, seed, prefix=None, max_tokens=None):
         """-> (the engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len),
         the drafter's context rows of the prompt or None). With ``prefix`` the prompt continues cached pages."""
-        spec, costs = self._program(sample, len(lens))
-        request = self._request(spec, len(lens), prompt, lens)
-        inputs = self.model.inputs(request, temperature, seed, costs).replace(prefix=prefix)
-        with sharding.mesh_context(self.model.mesh):
-            if prefix is None:
-                return engine.prefill_program(inputs, **request.statics)[0], None
-            state, _, rows = engine.prefill_rows_program(inputs, **request.statics)
+        batch, batch_inputs = self._program(sample, len(lens))
+        request = self._request(batch.spec, len(lens), prompt, lens, max_tokens)
+        inputs = self.model.inputs(request, temperature, seed, batch_inputs.costs).replace(prefix=prefix)
+        program, _ = self.model.programs.prefill(request, inputs, rows=prefix is not None)
+        if prefix is None:
+            return program(inputs)[0], None
+        state, _, rows = program(inputs)
         return state, rows
 
     def _dispatch(self, state, sample, rounds: int = 1):
-        spec, costs = self._program(sample, state.done.shape[0])
-        with sharding.mesh_context(self.model.mesh):
-            state, _ = engine.chunk_program(self.model.compute_params, self.model.drafter_params, state, costs,
-                                            np.int32(rounds), spec=spec)
+        """Up to ``rounds`` rounds of the batch in one dispatch: the chunk program ``Model.stream`` runs."""
+        request, inputs = self._program(sample, state.done.shape[0])
+        state, _ = self.model.programs.advance(request, inputs, state, rounds)
         return state
+
+    def _run(self, fn, *args):
+        """join, retire or regroup on ``args``, compiled by the program layer once per shape."""
+        return self.model.programs.small(fn, *args)
 
     def _rounds(self) -> int:
         """Rounds for the next dispatch: fixed, or as many as fill dispatch_ms in this slot bucket (between 1
@@ -438,7 +449,7 @@ class Batcher:
         busy = [i for i, r in enumerate(self._slots) if r is not None]
         order = _moved(self.slots, slots).tolist() if slots > self.slots else busy + [-1] * (slots - len(busy))
         if self._state is not None:
-            self._state = regroup(self._state, np.asarray(order, np.int32))
+            self._state = self._run(regroup, self._state, np.asarray(order, np.int32))
         self._slots = [self._slots[i] if i >= 0 else None for i in order]
 
     def _joined(self, req: Job, slot: int):
@@ -448,8 +459,8 @@ class Batcher:
         if not self.active and (state is None or sample or req.group != group):
             # a new batch: the temperature and the key are the batch's (greedy batches are reused)
             state, group = self._blank(sample, max(temperature, 1e-6), req.seed, self.slots), req.group
-        row, req.cached = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed)
-        return join(state, row, np.int32(slot)), group
+        row, req.cached = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed, req.max_tokens)
+        return self._run(join, state, row, np.int32(slot)), group
 
     def _deliver(self):
         if self._state is None:
@@ -475,7 +486,7 @@ class Batcher:
                 self._slots[i] = None
         if leaving.any():
             try:
-                self._state = retire(self._state, leaving)
+                self._state = self._run(retire, self._state, leaving)
             except Exception:   # the leavers are answered; their rows run on unseen until a join overwrites them
                 if _consumed(self._state):
                     raise               # retire had taken the batch's buffers (donated): the batch is lost
