@@ -9,6 +9,7 @@ fails, the test skips with the reason instead of failing.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,12 +117,15 @@ def _decode_processes(n: int, devices_each: int, *flags, tmp_path):
     """``n`` processes of ``python -m kimi_jax.decode`` joined on a local coordinator, ``devices_each`` CPU devices
     each -> (processes, their stdout paths, their stderr paths)."""
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"}
     procs, outs, errs = [], [], []
     for i in range(n):
         outs.append(tmp_path / f"out{i}.txt")
         errs.append(tmp_path / f"err{i}.txt")
+        # a cache directory of its own (cost tables; compiled programs stay shared), as on separate hosts
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "KIMI_JAX_CACHE": str(tmp_path / f"cache{i}"),
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"}
+        if "KIMI_JAX_CACHE" in os.environ:
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["KIMI_JAX_CACHE"], "xla"))
         with open(outs[-1], "w") as out, open(errs[-1], "w") as err:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kimi_jax.decode", "--coordinator", f"localhost:{port}", "--num-processes",
@@ -139,23 +143,32 @@ def _wait_all(procs, errs, timeout):
         pytest.fail("a process hung:\n" + "\n".join(f"--- {i}:\n{e.read_text()[-1500:]}" for i, e in enumerate(errs)))
 
 
-@pytest.mark.parametrize("n,devices_each", [(2, 2), (4, 1)])
-def test_decode_command_across_processes_prints_what_one_process_decodes(n, devices_each, tmp_path):
+@pytest.mark.parametrize("n,devices_each,budget", [(2, 2, "auto"), (4, 1, "8")])
+def test_decode_command_across_processes_prints_what_one_process_decodes(n, devices_each, budget, tmp_path):
     """Every process runs the program on its devices of a global ep=4 mesh; process 0 prints the tokens one
-    process decodes greedily (plain AR, here in this process), the others print nothing; all exit 0."""
+    process decodes greedily (plain AR, here in this process), the others print nothing; all exit 0. Under the
+    auto budget, with a cache directory each (as on separate hosts), the first run calibrates on every process
+    in step and process 0 alone stores the table; the second run finds it on process 0's disk only (the
+    follower's is emptied), and the follower takes it from process 0 instead of calibrating alone, in programs
+    process 0 does not run."""
     import kimi_jax
     from kimi_jax.cli.decode import DEFAULT_DRAFTER, DEFAULT_PROMPT, DEFAULT_TARGET
 
-    procs, outs, errs = _decode_processes(n, devices_each, "--mesh", "ep=4", "--budget", "8",
-                                          "--max-new-tokens", "24", "--json", tmp_path=tmp_path)
     ref = kimi_jax.load(str(DEFAULT_TARGET), drafter=str(DEFAULT_DRAFTER)).generate(
         DEFAULT_PROMPT, max_new_tokens=24, method="ar").tokens[0]
-    codes = _wait_all(procs, errs, timeout=300)
-    assert codes == [0] * n, [e.read_text()[-1500:] for e in errs]
-    assert json.loads(outs[0].read_text())["tokens"] == ref
-    assert all(o.read_text() == "" for o in outs[1:])
-    for i, e in enumerate(errs):
-        assert f"process {i} of {n} joined ({devices_each} of 4 cpu devices here)" in e.read_text()
+    for attempt in range(2 if budget == "auto" else 1):
+        shutil.rmtree(tmp_path / "cache1" / "costs", ignore_errors=True)     # the follower's disk: no table
+        procs, outs, errs = _decode_processes(n, devices_each, "--mesh", "ep=4", "--budget", budget,
+                                              "--max-new-tokens", "24", "--json", tmp_path=tmp_path)
+        codes = _wait_all(procs, errs, timeout=300)
+        assert codes == [0] * n, [e.read_text()[-1500:] for e in errs]
+        assert json.loads(outs[0].read_text())["tokens"] == ref
+        assert all(o.read_text() == "" for o in outs[1:])
+        for i, e in enumerate(errs):
+            assert f"process {i} of {n} joined ({devices_each} of 4 cpu devices here)" in e.read_text()
+    if budget == "auto":
+        assert list((tmp_path / "cache0" / "costs").glob("*.json"))
+        assert not (tmp_path / "cache1" / "costs").exists()
 
 
 def test_a_killed_follower_ends_the_run(tmp_path):

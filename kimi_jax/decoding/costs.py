@@ -12,7 +12,8 @@ over the difference of the rounds run is the cost of one round at that width (pr
 out). Each measurement is the best of a few runs.
 Costs are made monotone in the width (a running maximum: a wider tree never costs less, whatever the noise).
 
-Tables are cached in memory by ``kimi_jax.api.Model`` next to its compiled programs, and on disk as JSON under
+Tables are cached in memory by ``kimi_jax.decoding.programs.Programs`` next to its compiled programs (across
+processes: process 0's table, ``programs._one_table_for_all``), and on disk as JSON under
 ``$KIMI_JAX_CACHE`` (default ``~/.cache/kimi_jax``)``/costs/<key>.json``, written atomically; a later process
 with the same key reloads instead of measuring.
 """

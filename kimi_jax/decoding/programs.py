@@ -156,7 +156,10 @@ class Programs:
         key = costs_lib.table_key(spec, request.prompt.shape[0], request.max_len)
         if key not in self._costs:
             table = costs_lib.load(key)
-            if table is None or table.shape[1] != len(spec.widths):
+            if table is not None and table.shape[1] != len(spec.widths):
+                table = None
+
+            def measure():
                 ones = blank_costs(spec)
                 program, _ = self.generate(request, inputs(costs=ones))
 
@@ -165,9 +168,9 @@ class Programs:
                     rounds, outlook = jax.device_get((state.rounds, state.policy.outlook))
                     return int(rounds), outlook / request.prompt.shape[0]
 
-                table = costs_lib.measure(run, len(spec.widths))
-                costs_lib.save(key, table, spec.widths)
-            self._costs[key] = table
+                return costs_lib.measure(run, len(spec.widths))
+
+            self._costs[key] = _one_table_for_all(key, spec.widths, table, measure)
         return self._costs[key]
 
     # ---- lowering: the same programs for any inputs (another mesh, abstract weights) ----------------------
@@ -224,3 +227,23 @@ class Programs:
         key = (fn.__name__, tree, tuple((np.shape(a), str(a.dtype)) for a in leaves))
         program, _ = self.compiled(key, lambda: fn.lower(*args), lambda: f"{fn.__name__} of {np.shape(leaves[0])}")
         return program(*args)
+
+
+def _one_table_for_all(key: str, widths, stored, measure: Callable[[], np.ndarray]) -> np.ndarray:
+    """The cost table every process of the run uses: the stored one, else measured now (and stored). Across
+    processes the programs take one set of inputs, so the table is process 0's: its disk decides whether all of
+    them measure (in step: the calibration runs programs, which every process must run alike), and its numbers
+    reach the others (a broadcast), where their own disks or clocks might have said otherwise."""
+    if jax.process_count() == 1:
+        if stored is None:
+            stored = measure()
+            costs_lib.save(key, stored, widths)
+        return stored
+    from jax.experimental import multihost_utils
+    have = bool(multihost_utils.broadcast_one_to_all(np.int32(stored is not None)))
+    table = (stored if stored is not None else np.zeros((2, len(widths)))) if have else measure()
+    table = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(table, np.float32)), np.float64)
+    if not have and jax.process_index() == 0:
+        costs_lib.save(key, table, widths)
+    return table
+
