@@ -28,9 +28,11 @@ def _abstract(tree):
 
 def _generate_program(impl: str):
     """(lower(mesh or None) -> Lowered) for the embedded default's DDTree generate program, budget 8, with the
-    INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies)."""
+    INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies),
+    in bfloat16 as a GPU runs it (the GPU kernels' rules refuse 32-bit caches and router inputs when compiled:
+    a forced kernel would be an error)."""
     rt = kimi_jax.Runtime(moe_impl=impl, attn_impl=impl)
-    model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt)
+    model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt, dtype=jax.numpy.bfloat16)
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
     inputs = model.inputs(request).replace(
         params=compute_params(model.params, model.config, rt.replace(moe_impl="pallas")))   # INT4 experts kept
