@@ -43,8 +43,7 @@ from kimi_jax.decoding import auto, engine
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.decoding.programs import Programs, Request, blank_costs, lay_out, relaid
-from kimi_jax.decoding.programs import platform as _platform
-from kimi_jax.model.compute_layout import compute_params, own_buffers
+from kimi_jax.model.compute_layout import compute_params, own_buffers, program_platform
 from kimi_jax.model.params import check_global_mesh, param_shardings
 from kimi_jax.model.transformer import chunked_forward, full_logits
 from kimi_jax.text.tokenizer import load_tokenizer
@@ -388,7 +387,7 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
         raise checkpoint.CheckpointError(f"{path} holds neither {checkpoint.CONFIG_FILE} nor config.json")
     check_global_mesh(cfg, mesh)
     split = layers == "per-layer" if layers is not None else \
-        own_buffers(cfg.num_hidden_layers, _platform(mesh), mesh is not None)
+        own_buffers(cfg.num_hidden_layers, program_platform(Runtime(mesh=mesh)), mesh is not None)
     shardings = None if mesh is None else param_shardings(cfg, mesh)
     if kimi:
         cfg, params = checkpoint.restore(path, cfg, shardings=shardings, dtype=dtype, verify=verify, split=split)

@@ -82,7 +82,7 @@ def test_load_decides_by_own_buffers_for_the_weights_platform(stacked, monkeypat
     assert isinstance(kimi_jax.load(str(TARGET)).params["moe_layers"], tuple)
     sharded = kimi_jax.load(str(TARGET), mesh="ep=2")
     assert not isinstance(sharded.params["moe_layers"], tuple)
-    monkeypatch.setattr(api, "_platform", lambda mesh: "gpu")
+    monkeypatch.setattr(api, "program_platform", lambda rt: "cuda")
     gpu = kimi_jax.load(str(TARGET), mesh="ep=2")
     assert isinstance(gpu.params["moe_layers"], tuple)
     for j, layer in enumerate(gpu.params["moe_layers"]):

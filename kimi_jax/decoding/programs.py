@@ -35,6 +35,7 @@ from kimi_jax.cache import pool_size
 from kimi_jax.config import ModelConfig, Runtime, compile_options
 from kimi_jax.decoding import costs as costs_lib
 from kimi_jax.decoding import engine
+from kimi_jax.model.compute_layout import program_platform
 
 log = logging.getLogger("kimi_jax")
 
@@ -112,11 +113,6 @@ def relaid(cfg: ModelConfig, rt: Runtime, request: Request, spec: engine.Spec, *
     return dataclasses.replace(request, spec=spec, max_new=max_new, max_len=max_len, pool_pages=pool, **changes)
 
 
-def platform(mesh) -> str:
-    """The platform of the devices the weights and programs live on: the mesh's, else this process's default."""
-    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-
-
 def blank_costs(spec: engine.Spec):
     """A cost table of the right shape for compiling (its values are runtime inputs); None without widths."""
     return np.ones((2, len(spec.widths)), np.float32) if spec.widths else None
@@ -129,7 +125,7 @@ class Programs:
 
     def __init__(self, runtime: Runtime, options: dict | None = None):
         self.runtime = runtime
-        self.options = compile_options(platform(runtime.mesh), runtime) if options is None else options
+        self.options = compile_options(program_platform(runtime), runtime) if options is None else options
         self._compiled = {}
         self._costs = {}
         self.compile_s = 0.0          # seconds spent compiling so far: a call's share is the difference
