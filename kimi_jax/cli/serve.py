@@ -5,6 +5,12 @@ auto budget) on 127.0.0.1:8000. Every program is compiled before the port opens.
 port and lets running and queued requests finish for up to --shutdown-grace seconds; what is left then ends with
 a 503 error (an error event in a stream), and the server exits: 0 after SIGTERM, 130 after Ctrl-C.
 
+Across hosts (``--coordinator``/``--num-processes``/``--process-id``, or a detected cluster; ``--mesh`` is then
+the global mesh): every process loads its shards and compiles the same programs; process 0 serves HTTP and sends
+each step of the batch to the others (``kimi_jax.serving.peers``), which print nothing and ignore SIGTERM/Ctrl-C:
+they stop when process 0 stops. A process that stops beating ends the run: process 0 answers its open requests
+with 503 and exits 1, the others exit 1.
+
 Access (docs/serving.md): API keys from --api-key, --api-key-file and $KIMI_JAX_API_KEY (without any the server is
 open, and says so when it starts), the body limit, the per-key limit on requests in flight, read deadlines, TLS
 and the audit line (one per request on stderr).
@@ -19,6 +25,7 @@ import signal
 import ssl
 import sys
 
+from kimi_jax.cli import cluster
 from kimi_jax.cli.decode import DEFAULT_TARGET, OneLineParser, drafter_dir, parse_budget, persistent_compile_cache
 from kimi_jax.cli.exits import exit_with, run_command
 
@@ -61,7 +68,9 @@ def _parse(argv):
                    help="the audit line also holds the request body, prompt included (default: never)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    cluster.add_arguments(p)
     args = p.parse_args(argv)
+    cluster.check_arguments(p, args)
     args.api_keys = _api_keys(p, args)
     _check_tls(p, args)
     if not 0 < args.read_timeout < float("inf"):
@@ -130,38 +139,77 @@ def _access_line(args, app) -> str:
     return f"{len(args.api_keys)} API key(s) ({', '.join(map(key_id, args.api_keys))}); {limits}"
 
 
+def _say(message: str) -> None:
+    print(f"kimi_jax.serve: {message}", file=sys.stderr, flush=True)
+
+
+def _follow(batcher, peers) -> int:
+    """A follower's life after warm-up: process 0's steps until it stops (0), or one line and 1 when process 0
+    is gone or a step failed here (the run cannot go on with its processes out of step)."""
+    from kimi_jax.serving.peers import PeerLost
+    try:
+        batcher.follow()
+    except PeerLost as e:
+        _say(f"error: {e}")
+        return 1
+    except Exception as e:
+        logging.getLogger("kimi_jax.serve").exception("process %d: a step failed", peers.index)
+        _say(f"error: process {peers.index}: a step failed ({type(e).__name__}: {e}); the run ends")
+        return 1
+    return 0
+
+
 def run(argv=None) -> int:
     args = _parse(argv)
+    cluster.join(args, "kimi_jax.serve")
     persistent_compile_cache()
     import kimi_jax
     from kimi_jax.serving.access import AccessPolicy
     from kimi_jax.serving.batcher import Batcher
-    from kimi_jax.serving.server import create_app, serve
+    from kimi_jax.serving.peers import Peers
+    from kimi_jax.serving.server import create_app, serve, stop_now
 
     handler = logging.StreamHandler(sys.stderr)      # request failures: one line + the traceback, by request id
     handler.setFormatter(logging.Formatter("kimi_jax.serve: %(levelname)s: %(message)s"))
     logging.getLogger("kimi_jax.serve").addHandler(handler)
     logging.getLogger("kimi_jax.serve").propagate = False    # a library's basicConfig on the root would print it twice
     logging.getLogger("kimi_jax.serve.audit").setLevel(logging.INFO)     # one line per request
+    peers = Peers.of_this_run(args.heartbeat_timeout)
+    if peers is not None:
+        peers.start_beating()
+        if not peers.leader:            # process 0 decides when the run ends
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     model = kimi_jax.load(args.checkpoint, drafter=drafter_dir(args), mesh=args.mesh)
     batcher = Batcher(model, max_batch=args.max_batch, max_new=args.max_new_tokens, max_len=args.max_len,
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
                       rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms,
                       queue_size=args.queue_size,
-                      prefix_pages=args.prefix_cache_pages, page_size=args.page_size)
-    batcher.warm(log=lambda m: print(f"kimi_jax.serve: {m}", file=sys.stderr, flush=True))
+                      prefix_pages=args.prefix_cache_pages, page_size=args.page_size, peers=peers)
+    batcher.warm(log=_say if cluster.leader() else lambda m: None)
+    if peers is not None and not peers.leader:
+        return _follow(batcher, peers)
     batcher.start()
     policy = AccessPolicy(api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
                           max_in_flight=args.max_in_flight_per_key, read_timeout=args.read_timeout,
                           metrics_need_key=args.metrics_need_key, log_bodies=args.log_request_bodies)
     app = create_app(batcher, model.config.name, policy)
+    batcher.on_lost = lambda why: stop_now(app)
+    if peers is not None:
+        peers.watch(batcher.lose)
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"kimi_jax.serve: {batcher.method} with {args.max_batch} slots on {scheme}://{args.host}:{args.port}; "
-          f"{_access_line(args, app)}", file=sys.stderr, flush=True)
+    across = f" over {peers.count} processes" if peers is not None else ""
+    _say(f"{batcher.method} with {args.max_batch} slots{across} on {scheme}://{args.host}:{args.port}; "
+         f"{_access_line(args, app)}")
     # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one return, so the drain
     # ends in status 0 (Ctrl-C ends in 130 through cli.exits once the drain is over).
     signal.signal(signal.SIGTERM, lambda *_: None)
     serve(app, args.host, args.port, args.shutdown_grace, args.ssl_certfile, args.ssl_keyfile)
+    if batcher.lost:
+        # the device thread may be inside a collective with the lost process, and JAX's exit would wait for it
+        _say(f"error: {batcher.lost}; the requests in flight got 503")
+        sys.stdout.flush()
+        os._exit(1)
     if not batcher.stop(timeout=5.0):
         # every response went out, but the device thread is still inside a dispatch: do not wait for it
         print("kimi_jax.serve: the device was still busy at exit; not waiting for it", file=sys.stderr, flush=True)

@@ -44,6 +44,15 @@ stored only once it all succeeded, so a failure there ends that request alone (`
 traceback) and leaves the other rows' state as it was. A failure of the batch's dispatch ends the requests in
 the batch, drops the batch state and keeps serving; ``health`` says degraded until a dispatch succeeds again.
 A request taken off the queue is always finished: with its tokens, cancelled, or ``Failed``.
+
+Across processes (``kimi_jax.serving.peers``): every device operation of the loop is one *step* of a small
+vocabulary (admit, resize, retire, rounds, drop, stop), a JSON list that ``_apply`` runs. Process 0 holds the
+requests and decides each step (``_do``: publish it to the other processes, then run it); the others hold no
+request and only run the steps they receive, in the same order (``follow``), so every process enters the same
+programs over the global mesh with the same inputs. The prefix cache's host-side index stays the same on every
+process because it sees the same admits. There, a failure is not one request's: a step that fails on one process
+may have succeeded on another, leaving the processes with different batches, so it ends every request (503) and
+the run (``lose``), as does a process that stops beating.
 """
 
 from __future__ import annotations
@@ -64,8 +73,8 @@ from kimi_jax.api import Model
 from kimi_jax.decoding import engine
 from kimi_jax.decoding.engine import GenerationError, State
 from kimi_jax.decoding.programs import Request, bucket
+from kimi_jax.serving.peers import Peers
 from kimi_jax.serving.prefix_cache import PrefixCache, PrefixStats
-
 
 log = logging.getLogger("kimi_jax.serve")
 
@@ -144,7 +153,12 @@ class Job:
 
     @property
     def group(self):
-        return (self.temperature > 0, self.temperature if self.temperature > 0 else 0.0)
+        return _group(self.temperature)
+
+
+def _group(temperature: float) -> tuple[bool, float]:
+    """What requests share a batch (one compiled program, one temperature): (sampling, its temperature)."""
+    return temperature > 0, temperature if temperature > 0 else 0.0
 
 
 @dataclasses.dataclass
@@ -164,7 +178,7 @@ class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
                  method: str | None = None, budget=None, rounds_per_dispatch: int | None = None,
                  dispatch_ms: float = 10.0, queue_size: int = 64, prefix_pages: int | None = None,
-                 page_size: int = 16):
+                 page_size: int = 16, peers: Peers | None = None):
         if model.runtime.page_size:
             # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
             raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
@@ -199,6 +213,9 @@ class Batcher:
         self._specs, self._programs = {}, {}
         self._deadline = None          # set by drain(): when the requests still running are ended
         self.degraded = None           # the last dispatch failure's message, until a dispatch succeeds
+        self.peers = peers             # the other processes of a multi-process run (None: this one alone)
+        self.lost = None               # why a multi-process run ended (a process stopped, or a step failed)
+        self.on_lost: Callable[[str], None] = lambda why: None      # told once, from the thread that noticed
         self._thread = threading.Thread(target=self._loop, name="kimi_jax-batcher", daemon=True)
 
     # ---- the HTTP side ----------------------------------------------------------------------------------------
@@ -228,6 +245,11 @@ class Batcher:
     @property
     def draining(self) -> bool:
         return self._deadline is not None
+
+    @property
+    def processes(self) -> int:
+        """Processes in the run this server computes on."""
+        return 1 if self.peers is None else self.peers.count
 
     @property
     def active(self) -> int:
@@ -378,14 +400,14 @@ class Batcher:
         per_round = self._round_s.get(self.slots)
         return 4 if per_round is None else int(np.clip(self.dispatch_s / per_round, 1, 64))
 
-    # ---- the device loop ---------------------------------------------------------------------------------------
+    # ---- the device loop (process 0, or a process on its own) ----------------------------------------------------
     def _loop(self):
         while True:
             with self._wake:
-                while not self._stop and not self._waiting and not self.active:
+                while not self._stop and not self._waiting and not self.active and not self.lost:
                     self._wake.wait(None if self._deadline is None else 0.1)
-                if self._stop and not self._waiting and not self.active:
-                    return
+                if self.lost or (self._stop and not self._waiting and not self.active):
+                    break
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._end_everything(Failed("the server shut down before this request finished", 503))
                 continue
@@ -397,9 +419,14 @@ class Batcher:
                     self.degraded = None
             except Exception as e:          # the batch's own work failed: end its requests, keep serving
                 log.exception("dispatch failed; ending the %d requests in the batch", self.active)
+                if self.peers is not None:
+                    self.lose(f"a step failed on process 0 ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+                    break
                 self.degraded = f"{type(e).__name__}: {e}"
                 self._end_everything(Failed(f"internal error in the batch this request ran in ({type(e).__name__})"),
                                      waiting=False)
+        if self.peers is not None:
+            self.peers.publish(["stop"])    # the followers leave their loops (and their processes exit)
 
     def _end_everything(self, failure: Failed, waiting: bool = True):
         """Finish every running (and, with ``waiting``, every queued) request with ``failure``; drop the batch."""
@@ -407,10 +434,25 @@ class Batcher:
             ended = [r for r in self._slots if r is not None] + (list(self._waiting) if waiting else [])
             if waiting:
                 self._waiting.clear()
-        self._slots = [None] * self.slot_buckets[0]
-        self._state = None
+            self._slots = [None] * self.slot_buckets[0]
+        if not self.lost:
+            self._do(["drop"])
         for req in ended:
             _finish(req, failure)
+
+    def lose(self, why: str) -> None:
+        """The run is over (a process stopped beating, or a step failed on this one): end every request with a
+        503, take no new one, and call ``on_lost`` once. Safe from any thread: the device thread may be stuck in a
+        collective with a process that is gone, so nothing here waits for it."""
+        with self._wake:
+            if self.lost:
+                return
+            self.lost = why
+            if self._deadline is None:
+                self._deadline = time.monotonic()       # draining: new requests get 503
+            self._wake.notify()
+        self._end_everything(Failed(f"the server's run lost a process ({why}); retry later", 503))
+        self.on_lost(why)
 
     def _fail(self, req: Job, step: str, e: Exception):
         log.error("request %s failed while %s", req.id or "?", step, exc_info=e)
@@ -436,31 +478,23 @@ class Batcher:
                 if self.active == self.slots:       # every slot busy: the next bucket, the rows where they were
                     self._resize(self.slot_buckets[self.slot_buckets.index(self.slots) + 1])
                 slot = self._slots.index(None)
-                self._state, self._group = self._joined(req, slot)
+                # a new batch when none runs: the temperature and the key are the batch's (greedy ones are reused)
+                fresh = not self.active and (self._state is None or req.group[0] or req.group != self._group)
+                req.cached = self._do(["admit", slot, [int(t) for t in req.ids], req.temperature, req.seed,
+                                       req.max_tokens, self.slots if fresh else 0])
                 self._slots[slot] = req
             except Exception as e:         # this request alone: the batch state was not replaced
                 self._fail(req, "prefilling", e)
-                if _consumed(self._state):
-                    raise                  # join had taken the batch's buffers (donated): the batch is lost
+                if _consumed(self._state) or self.peers is not None:
+                    raise                  # the batch is lost (join had taken its buffers), or the run is
 
     def _resize(self, slots: int):
         """Move the running rows into a state of ``slots`` slots (growing keeps every row's slot; shrinking
         compacts the busy rows to the front) and the requests with them."""
         busy = [i for i, r in enumerate(self._slots) if r is not None]
         order = _moved(self.slots, slots).tolist() if slots > self.slots else busy + [-1] * (slots - len(busy))
-        if self._state is not None:
-            self._state = self._run(regroup, self._state, np.asarray(order, np.int32))
+        self._do(["resize", order])
         self._slots = [self._slots[i] if i >= 0 else None for i in order]
-
-    def _joined(self, req: Job, slot: int):
-        """-> (the batch state with ``req`` prefilled into ``slot``, the batch's group); stores nothing."""
-        sample, temperature = req.group
-        state, group = self._state, self._group
-        if not self.active and (state is None or sample or req.group != group):
-            # a new batch: the temperature and the key are the batch's (greedy batches are reused)
-            state, group = self._blank(sample, max(temperature, 1e-6), req.seed, self.slots), req.group
-        row, req.cached = self._prefill(req.ids, sample, max(temperature, 1e-6), req.seed, req.max_tokens)
-        return self._run(join, state, row, np.int32(slot)), group
 
     def _deliver(self):
         if self._state is None:
@@ -486,10 +520,10 @@ class Batcher:
                 self._slots[i] = None
         if leaving.any():
             try:
-                self._state = self._run(retire, self._state, leaving)
+                self._do(["retire", leaving.tolist()])
             except Exception:   # the leavers are answered; their rows run on unseen until a join overwrites them
-                if _consumed(self._state):
-                    raise               # retire had taken the batch's buffers (donated): the batch is lost
+                if _consumed(self._state) or self.peers is not None:
+                    raise               # retire had taken the batch's buffers (donated), or the run is lost
                 log.exception("retiring %d finished rows failed", int(leaving.sum()))
                 return
             with self._wake:
@@ -501,7 +535,7 @@ class Batcher:
     def _run_rounds(self):
         before, emitted = jax.device_get((self._state.rounds, self._state.n_out))
         running, t0 = self.active, time.perf_counter()
-        self._state = self._dispatch(self._state, self._group[0], self._rounds())
+        self._do(["rounds", self._rounds()])
         rounds = int(self._state.rounds) - int(before)
         if rounds:                          # a moving average: rounds slow down as the rows' contexts grow
             took, last = (time.perf_counter() - t0) / rounds, self._round_s.get(self.slots)
@@ -510,6 +544,50 @@ class Batcher:
         self.stats.row_rounds += rounds * running
         self.stats.tokens += int((jax.device_get(self._state.n_out) - emitted).sum())
         self.stats.dispatches += 1
+
+    # ---- steps: what every process of the run does to its batch state, in the same order ---------------------------
+    def _do(self, step: list):
+        """Run one step of the batch (process 0's decision), first sending it to the other processes, if any."""
+        if self.peers is not None:
+            self.peers.publish(step)
+        return self._apply(step)
+
+    def _apply(self, step: list):
+        """One step on this process's devices. Each builds its new state functionally and stores it only once it
+        succeeded, so a failed step leaves the batch as it was. -> what an admit's prefix cache served."""
+        kind, *args = step
+        if kind == "admit":
+            return self._admitted(*args)
+        if kind == "resize":
+            if self._state is not None:
+                self._state = self._run(regroup, self._state, np.asarray(args[0], np.int32))
+        elif kind == "retire":
+            self._state = self._run(retire, self._state, np.asarray(args[0], bool))
+        elif kind == "rounds":
+            self._state = self._dispatch(self._state, self._group[0], args[0])
+        elif kind == "drop":
+            self._state = None
+        else:
+            raise ValueError(f"unknown step {kind!r}")
+
+    def _admitted(self, slot: int, ids: list[int], temperature: float, seed: int, max_tokens: int,
+                  fresh_slots: int) -> int:
+        """Prompt ``ids`` prefilled into ``slot`` of the batch (of a new batch of ``fresh_slots`` slots if > 0,
+        which takes its temperature and seed); -> the prompt tokens the prefix cache served."""
+        sample, t = temperature > 0, max(temperature, 1e-6)
+        state, group = self._state, self._group
+        if fresh_slots:
+            state, group = self._blank(sample, t, seed, fresh_slots), _group(temperature)
+        row, cached = self._prefill(ids, sample, t, seed, max_tokens)
+        self._state, self._group = self._run(join, state, row, np.int32(slot)), group
+        return cached
+
+    def follow(self) -> None:
+        """A follower's loop (every process but 0, after ``warm``): run process 0's steps until it says stop.
+        Raises ``peers.PeerLost`` when process 0 is gone, and whatever a step raised (the run cannot go on with
+        its processes out of step)."""
+        while (step := self.peers.receive())[0] != "stop":
+            self._apply(step)
 
 
 def _moved(old: int, new: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import re
 import signal
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -280,7 +280,10 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
 
     @app.get("/health")
     async def health():
-        state = {"slots": batcher.max_batch, "active": batcher.active, "waiting": batcher.queue_depth}
+        state = {"slots": batcher.max_batch, "active": batcher.active, "waiting": batcher.queue_depth,
+                 "processes": batcher.processes}
+        if batcher.lost:
+            return JSONResponse({"status": "lost", "error": batcher.lost, **state}, 503)
         if batcher.draining:
             return JSONResponse({"status": "draining", **state}, 503)
         if batcher.degraded:
@@ -517,3 +520,13 @@ def serve(app: FastAPI, host: str, port: int, grace: float, ssl_certfile: str | 
 def shutdown(app: FastAPI) -> None:
     """What SIGTERM does, for a server run in a thread (tests, embedding): start the bounded drain."""
     app.state.server.handle_exit(signal.SIGTERM, None)
+
+
+def stop_now(app: FastAPI) -> None:
+    """End the server at once, from any thread (the run lost a process, ``Batcher.lose``): the open requests end
+    with a 503 now, not after a grace period, and the port closes."""
+    server = getattr(app.state, "server", None)
+    if server is None or server.loop is None:
+        return
+    server.loop.call_soon_threadsafe(app.state.end_open_requests)
+    server.should_exit = True
