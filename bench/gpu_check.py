@@ -23,7 +23,10 @@ record (default bench/results/gpu_check_<device>.json) and a short summary on st
 4. ``attention``: tree-verify attention time vs tree width (1, 5, 17, 33, 65) at K2.6 MLA per-device dims (16
    heads, kv_lora 512, rope 64, bf16) and cache lengths 4096 and 32768, both impls and the Mosaic GPU kernel
    ("mosaic", 16-bit caches only), with the latent-cache bytes the call must read / time.
-5. ``round``: one DDTree round (draft, build_tree, verify, accept, commit) of a 3-layer K2.6 (the preset's real
+5. ``allreduce``: one all-reduce over every device at a round's message sizes (K2.6 hidden 7168 x 1, 17 and 65
+   tokens, bf16: 14-910 KB), K = 32 chained in one program, compiled with XLA's one-shot kernel on and off
+   (``Runtime.one_shot_all_reduce``): us per all-reduce each way. Needs 2+ devices; on one it records why not.
+6. ``round``: one DDTree round (draft, build_tree, verify, accept, commit) of a 3-layer K2.6 (the preset's real
    dims: 1 dense + 2 MoE layers, random INT4 experts) with a 1-layer drafter, per kernel choice ("auto", the
    default: Mosaic GPU experts on Hopper; "pallas": all Triton; "xla"), plain AR and
    ddtree budget 16, at a 4096-slot cache: ms per round from ``bench.steady.steady_rounds_program`` and the stage
@@ -73,7 +76,7 @@ import numpy as np  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SECTIONS = ("kernels", "copy", "moe", "attention", "round")
+SECTIONS = ("kernels", "copy", "moe", "attention", "allreduce", "round")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -387,6 +390,37 @@ def copy_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
                gb_per_s=moved / (t["best_ms"] * 1e-3) / 1e9)
     ctx["copy_gb_per_s"] = rec["gb_per_s"]
     free(a)
+
+
+def all_reduce_latency(plan: Plan, ctx: dict, rec: dict) -> None:
+    """us per all-reduce of a round's per-layer message, with XLA's one-shot kernel and with NCCL."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kimi_jax.config import Runtime, compile_options
+    n = jax.device_count()
+    if n < 2:
+        rec["status_note"] = f"skipped: {n} device (an all-reduce needs 2+)"
+        return
+    mesh, k, hidden = Mesh(np.array(jax.devices()), ("x",)), 32, 7168
+
+    def chained(x):          # x: [n * tokens, hidden], one row block per device; each sum feeds the next
+        def body(_, a):
+            return jax.lax.pcast((jax.lax.psum(a, "x") * (1.0 / n)).astype(a.dtype), "x", to="varying")
+        return jax.shard_map(lambda a: jax.lax.fori_loop(0, k, body, a), mesh=mesh, in_specs=P("x"),
+                             out_specs=P("x"))(x)
+
+    rec.update(devices=n, chained=k, hidden=hidden, rows=[])
+    backend = jax.default_backend()
+    for tokens in (1, 17, 65):
+        x = jax.device_put(jnp.ones((n * tokens, hidden), BF16), NamedSharding(mesh, P("x")))
+        row = dict(tokens=tokens, message_bytes=tokens * hidden * 2)
+        for one_shot in (True, False):
+            compiled = jax.jit(chained).lower(x).compile(compile_options(backend, Runtime(one_shot_all_reduce=one_shot)))
+            t = timed(compiled, x, reps=plan.reps)
+            row["one_shot_on" if one_shot else "one_shot_off"] = dict(per_call_us=1e3 * t["best_ms"] / k, **t)
+        rec["rows"].append(row)
+        free(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -767,9 +801,9 @@ def _one_round(model, cp, plan, row, budget, r1, r2, rt):
 
 
 RUNNERS = {"kernels": check_kernels, "copy": copy_bandwidth, "moe": moe_bandwidth, "attention": attention_widths,
-           "round": ddtree_round}
+           "allreduce": all_reduce_latency, "round": ddtree_round}
 # seconds a section needs at least to be worth starting (full plan; tiny: a fifth)
-NEEDS = {"kernels": 30, "copy": 10, "moe": 40, "attention": 40, "round": 90}
+NEEDS = {"kernels": 30, "copy": 10, "moe": 40, "attention": 40, "allreduce": 15, "round": 90}
 
 
 def device_info() -> dict:
@@ -837,6 +871,13 @@ def summary_lines(result: dict) -> list[str]:
                 cells = [f"{i} " + ("error" if "error" in r[i] else f"{r[i]['per_call_us']:.1f}")
                          for i in ("pallas", "xla", "mosaic") if i in r]
                 out.append(f"  s={r['slots']:>6} w={r['width']:>3}: " + (r.get("status") or "  ".join(cells)))
+        elif name == "allreduce":
+            if "rows" not in s:
+                out.append(f"allreduce: {s.get('status_note', 'no rows')}")
+            for r in s.get("rows", ()):
+                out.append(f"  all-reduce {r['message_bytes'] / 1024:.0f} KB over {s['devices']}: one-shot kernel on "
+                           f"{r['one_shot_on']['per_call_us']:.1f} us, off (NCCL on a GPU) "
+                           f"{r['one_shot_off']['per_call_us']:.1f} us")
         elif name == "round" and "rows" in s:
             out.append(f"ddtree round ({s['config']}, {s['context_slots']} slots): ms per round")
             for r in s["rows"]:

@@ -152,8 +152,12 @@ class Runtime:
     (kimi_jax.cache; one device only for now). graph_loops: on GPUs, loops and branches become CUDA-graph nodes
     (``compile_options``). split_k: False compiles every GEMM on a GPU without split-K (one kernel where XLA's
     default for decode and verify widths is a partial GEMM plus its reduction; each GEMM then runs on fewer SMs),
-    opt-in until a GPU times both (``bench.gpu_check``'s round section does). Frozen and hashable, so it travels
-    as a jit static argument.
+    opt-in until a GPU times both (``bench.gpu_check``'s round section does). one_shot_all_reduce: on GPUs, XLA's
+    one-shot all-reduce kernel (every device reads its peers' buffers over NVLink and reduces locally: one
+    kernel, no NCCL call) where its run-time conditions hold: all devices of the reduction on one host with peer
+    access, a message under its size limit (a few hundred KB), a supported type; elsewhere XLA's collective
+    thunk falls back to NCCL, so the switch is safe on any mesh (False: NCCL always; docs/roofline.md has the
+    latencies each implies). Frozen and hashable, so it travels as a jit static argument.
     """
     moe_impl: str = "auto"
     attn_impl: str = "auto"
@@ -163,6 +167,7 @@ class Runtime:
     page_size: int = 0
     graph_loops: bool = True
     split_k: bool = True
+    one_shot_all_reduce: bool = True
 
     def __post_init__(self):
         if self.moe_impl not in IMPLS or self.attn_impl not in IMPLS:
@@ -193,6 +198,8 @@ def compile_options(platform: str, rt: Runtime = Runtime()) -> dict:
     options = {"xla_gpu_enable_command_buffer": GRAPH_LOOPS} if rt.graph_loops else {}
     if not rt.split_k:      # XLA's Triton GEMMs take split_k = 1 (docs/gpu_overhead.md: -1 kernel per GEMM it split)
         options["xla_gpu_experimental_force_split_k"] = 1
+    if rt.one_shot_all_reduce:   # XLA's name for it says "unsupported": a debug option, off by default (Runtime doc)
+        options["xla_gpu_unsupported_use_all_reduce_one_shot_kernel"] = True
     return options
 
 

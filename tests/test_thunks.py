@@ -112,7 +112,32 @@ def test_compile_options_only_touch_gpus():
     assert compile_options("cpu") == {} and compile_options("tpu") == {}
     assert compile_options("cpu", Runtime(split_k=False)) == {}
     assert "WHILE" in compile_options("cuda")["xla_gpu_enable_command_buffer"]
-    assert compile_options("gpu", Runtime(graph_loops=False)) == {}
+    one_shot = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+    assert compile_options("gpu", Runtime(graph_loops=False)) == one_shot
+    assert compile_options("gpu", Runtime(graph_loops=False, one_shot_all_reduce=False)) == {}
+
+
+@pytest.mark.compile
+@needs_gpu
+def test_the_one_shot_all_reduce_option_compiles_to_xlas_collective_kernel_thunk(tmp_path):
+    """An 8-device H200 all-reduce of one token's hidden state compiles with the option and without it, each time
+    to XLA's collective-kernel thunk, which picks the one-shot kernel or NCCL when the program first runs (its
+    conditions: one host, peer access, the message size), so the program a GPU gets is the same either way."""
+    import glob
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = targets.compile_mesh("h200", 8, "tp=8")
+    x = jax.ShapeDtypeStruct((8, 7168), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp")))
+    lowered = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x)
+    for on in (True, False):
+        where = str(tmp_path / str(on))
+        options = {**compile_options("cuda", Runtime(one_shot_all_reduce=on)), **targets.compiler_options("h200")}
+        assert options.get("xla_gpu_unsupported_use_all_reduce_one_shot_kernel", False) is on
+        thunks.compile_dumped(lowered, options, keep=where)
+        sequence = open(glob.glob(where + "/*thunk_sequence*.txt")[0]).read()
+        assert sequence.count("kCollectiveKernel [") == 1, sequence
 
 
 @pytest.mark.compile
