@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("kernels", "copy", "moe", "attention", "round")
+SECTIONS = ("kernels", "copy", "moe", "attention", "allreduce", "round")
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 
@@ -69,7 +69,10 @@ def test_tiny_run_end_to_end(tmp_path):
         for impl in ("pallas", "xla"):
             assert r[impl]["per_call_us"] > 0 and r[impl]["gb_per_s"] > 0, r
 
-    # 5. the round: each kernel choice, AR and DDTree, timed and profiled by stage
+    # 5. all-reduce: one CPU device here (run_check drops the fake devices), so it says why it timed nothing
+    assert sec["allreduce"]["status_note"] == "skipped: 1 device (an all-reduce needs 2+)"
+
+    # 6. the round: each kernel choice, AR and DDTree, timed and profiled by stage
     rows = sec["round"]["rows"]
     assert {(r["impl"], r["method"]) for r in rows} == {(i, m) for i in ("xla", "pallas") for m in ("ar", "ddtree")}
     for r in rows:
