@@ -96,20 +96,11 @@ def test_walks_validate_against_the_schema(tokenizer, cache, schema):
         jsonschema.validate(json.loads(tokenizer.decode_bytes(ids).decode("utf-8")), schema)
 
 
-def check_json_object_walks(tables, tokenizer):
-    finished = random_walks(tables, tokenizer.eos_ids, max_tokens=60)
+def test_json_object_walks_parse(tokenizer, cache):   # outlines-core takes a few seconds for the default depth
+    finished = random_walks(cache.get(tokenizer, {"type": "json_object"}).tables, tokenizer.eos_ids, max_tokens=60)
     assert finished
     for ids in finished:
         assert isinstance(json.loads(tokenizer.decode_bytes(ids).decode("utf-8")), dict)
-
-
-def test_json_object_walks_parse_at_depth_2(tokenizer):
-    check_json_object_walks(grammar.compile_grammar(grammar.json_object_regex(2), tokenizer).tables, tokenizer)
-
-
-@pytest.mark.slow   # the default depth's regex takes outlines-core ~7 s to determinize
-def test_json_object_walks_parse(tokenizer, cache):
-    check_json_object_walks(cache.get(tokenizer, {"type": "json_object"}).tables, tokenizer)
 
 
 def test_json_object_nesting_bound():
@@ -234,14 +225,18 @@ def test_limits_are_generation_errors(tokenizer):
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}, "#/properties/n/minimum"),
     ({"type": "object", "patternProperties": {"^a": {"type": "string"}}}, "#/patternProperties"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "#/uniqueItems"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "number", "maximum": 2}]}},
+     "#/items/anyOf/1/maximum"),
+    ({"$defs": {"n": {"type": "integer", "multipleOf": 2}}, "$ref": "#/$defs/n"}, "#/$defs/n/multipleOf"),
 ])
 def test_unsupported_schema_features_are_named(tokenizer, schema, named):
     with pytest.raises(GenerationError, match=re.escape(named)):
         grammar.GrammarCache().get(tokenizer, json_schema_format(schema))
 
 
-def test_keyword_names_as_property_names_are_fine():
-    schema = {"type": "object", "properties": {"minimum": {"type": "integer"}}, "required": ["minimum"]}
+def test_keyword_names_as_property_names_and_enum_values_are_fine():
+    schema = {"type": "object", "properties": {"minimum": {"type": "integer"},
+                                               "m": {"enum": [{"maximum": 1}]}}, "required": ["minimum"]}
     assert re.fullmatch(grammar.response_format_regex(json_schema_format(schema)), '{"minimum": 3}')
 
 
