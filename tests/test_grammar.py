@@ -22,7 +22,7 @@ import regex as regex_module
 
 from kimi_jax.fields import GenerationError
 from kimi_jax.text import grammar
-from kimi_jax.text.tokenizer import load_tokenizer
+from kimi_jax.text.tokenizer import KimiTokenizer, load_tokenizer
 
 TARGET = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "target"
 
@@ -94,6 +94,21 @@ def test_walks_validate_against_the_schema(tokenizer, cache, schema):
     assert len(finished) >= 12
     for ids in finished:
         jsonschema.validate(json.loads(tokenizer.decode_bytes(ids).decode("utf-8")), schema)
+
+
+def test_every_eos_id_ends_and_no_other_special_token_is_allowed(tokenizer):
+    """Kimi's layout (two eos ids, [EOS] and <|im_end|>, among 256 specials): outlines-core knows one eos; the
+    tables allow both exactly in the final states, and no other special id anywhere."""
+    kimi = KimiTokenizer(tokenizer.ranks)
+    assert len(kimi.eos_ids) == 2
+    tables = grammar.GrammarCache().get(kimi, json_schema_format(TOOL_ARGS)).tables
+    masks = np.asarray(_allowed(tables, jnp.arange(tables.next_state.shape[0])))
+    for eos in kimi.eos_ids:
+        assert masks[:, eos].tolist() == tables.final.tolist()
+    others = [i for i in range(kimi.num_ranks, kimi.vocab_size) if i not in kimi.eos_ids]
+    assert not masks[:, others].any()
+    for ids in random_walks(tables, kimi.eos_ids):
+        jsonschema.validate(json.loads(kimi.decode_bytes(ids).decode("utf-8")), TOOL_ARGS)
 
 
 def test_json_object_walks_parse(tokenizer, cache):   # outlines-core takes a few seconds for the default depth

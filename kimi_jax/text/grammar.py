@@ -28,7 +28,8 @@ import hashlib
 import json
 import time
 import weakref
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
