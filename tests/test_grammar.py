@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -227,10 +228,21 @@ def test_cache_reuses_reports_and_evicts(tokenizer):
 
 
 def test_limits_are_generation_errors(tokenizer):
-    with pytest.raises(GenerationError, match=r"automaton has \d+ states, over the limit of 5"):
-        grammar.GrammarCache(max_states=5).get(tokenizer, json_schema_format(PERSON))
+    with pytest.raises(GenerationError, match=r"automaton has \d+ states, over the limit of 10"):
+        grammar.GrammarCache(max_states=10).get(tokenizer, json_schema_format(PERSON))
     with pytest.raises(GenerationError, match=r"take \d+ device bytes .* over the limit of 1000"):
         grammar.GrammarCache(max_device_bytes=1000).get(tokenizer, json_schema_format(PERSON))
+
+
+def test_huge_repetition_counts_are_refused_before_compiling(tokenizer):
+    """maxLength 100,000 would keep outlines-core busy for hours; the count alone exceeds the state limit."""
+    huge = json_schema_format({"type": "object", "properties": {"s": {"type": "string", "maxLength": 100_000}}})
+    start = time.perf_counter()
+    with pytest.raises(GenerationError, match="repetition count of 100000 .* limit of 20000"):
+        grammar.GrammarCache().get(tokenizer, huge)
+    assert time.perf_counter() - start < 1
+    with pytest.raises(GenerationError, match="repetition count of 50 "):
+        grammar.GrammarCache(max_states=40).get(tokenizer, guided_regex="a{2}b{3,50}")
 
 
 @pytest.mark.parametrize("schema, named", [

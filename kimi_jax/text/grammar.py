@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import re
 import time
 import weakref
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from kimi_jax.fields import GenerationError
 __all__ = [
     "GrammarTables", "CompiledGrammar", "GrammarCache", "INITIAL_STATE", "DEAD_STATE", "JSON_OBJECT_DEPTH",
     "WHITESPACE", "json_object_regex", "response_format_regex", "unsupported_schema_keywords",
-    "outlines_vocabulary", "automaton_tables", "compile_grammar", "allowed", "advance", "is_final",
+    "outlines_vocabulary", "automaton_tables", "largest_repeat_count", "compile_grammar", "allowed", "advance", "is_final",
 ]
 
 INITIAL_STATE = 0
@@ -274,10 +275,21 @@ def automaton_tables(index: outlines_core.Index, vocab_size: int, eos_ids: tuple
     return GrammarTables(class_of.ravel()[token_class].astype(np.int32), np.ascontiguousarray(next_state), final)
 
 
+def largest_repeat_count(regex: str) -> int:
+    """The largest count in the regex's counted repetitions (``{n}``, ``{m,n}``, ``{m,}``): a DFA needs at least
+    that many states to count it (a JSON string's maxLength takes about 10 a character: UTF-8's byte states)."""
+    counts = [int(hi or lo) for lo, hi in re.findall(r"(?<!\\)\{(\d+)(?:,(\d*))?\}", regex)]
+    return max(counts, default=0)
+
+
 def compile_grammar(regex: str, tokenizer, vocabulary: outlines_core.Vocabulary | None = None, *,
                     max_states: int | None = None, max_device_bytes: int | None = None) -> CompiledGrammar:
     """The automaton of ``regex`` over ``tokenizer``; GenerationError past a limit or for a regex outlines-core
-    cannot compile."""
+    cannot compile. Counted repetitions are checked against ``max_states`` first: outlines-core would spend
+    minutes on a ``maxLength`` of 10,000 before the states could be counted."""
+    if max_states is not None and largest_repeat_count(regex) > max_states:
+        raise GenerationError(f"structured output: a repetition count of {largest_repeat_count(regex)} (maxLength, "
+                              f"maxItems or a pattern) needs more automaton states than the limit of {max_states}")
     start = time.perf_counter()
     vocabulary = vocabulary or outlines_vocabulary(tokenizer)
     try:
