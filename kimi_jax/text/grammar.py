@@ -80,8 +80,9 @@ class GrammarTables(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledGrammar:
+    """One compiled automaton: the regex it was built from, its tables (numpy) and what the build cost."""
     regex: str
-    tables: GrammarTables   # numpy arrays
+    tables: GrammarTables
     compile_seconds: float
 
     @property
@@ -320,10 +321,11 @@ class GrammarCache:
 
     def _vocabulary(self, tokenizer) -> tuple[str, outlines_core.Vocabulary]:
         if tokenizer not in self._vocabularies:
+            # The tokenizer's identity is its contents: two loads of one checkpoint share the compiled automata.
             digest = hashlib.sha256(repr((tokenizer.vocab_size, tokenizer.eos_ids)).encode())
             for token_id in range(tokenizer.num_ranks):
-                digest.update(len(tokenizer.decode_bytes([token_id])).to_bytes(4, "little"))
-                digest.update(tokenizer.decode_bytes([token_id]))
+                token = tokenizer.decode_bytes([token_id])
+                digest.update(len(token).to_bytes(4, "little") + token)
             self._vocabularies[tokenizer] = (digest.hexdigest(), outlines_vocabulary(tokenizer))
         return self._vocabularies[tokenizer]
 
