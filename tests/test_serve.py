@@ -164,6 +164,32 @@ def test_sixteen_concurrent_requests_each_equal_the_request_alone(server, refere
     assert tau and tau[0] >= 1.0
 
 
+def test_n_choices_each_run_as_a_row(server, reference):
+    """n = 3 greedy through the openai client: three choices, each the text the request gets alone, indices 0-2,
+    usage counting the prompt once and every choice's tokens; streamed (chat, n = 2), each index's deltas add up
+    to its message; sampled (n = 4), four 200 choices of the asked length."""
+    model, alone = reference
+    client = server["client"]
+    prompt = "for line in open('log.txt'):\n"
+    want = alone(model.tokenizer.encode(prompt), 12)
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=12, temperature=0, n=3)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, *want[:2]) for i in range(3)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(model.tokenizer.encode(prompt)), 3 * want[2])
+
+    messages = [{"role": "user", "content": "a queue class"}]
+    want = alone(model.tokenizer.encode_chat(messages), 10)
+    chunks = list(client.chat.completions.create(model=model.config.name, messages=messages, max_tokens=10,
+                                                 temperature=0, n=2, stream=True))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == want[1]
+        assert "".join(c.delta.content or "" for c in mine) == want[0]
+
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=6, temperature=1.0, seed=5,
+                                  n=4)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens <= 24
+
+
 def test_stop_string_ends_the_text_before_it(server, reference):
     model, alone = reference
     prompt = "def area(r):\n    return"
@@ -199,7 +225,8 @@ BAD = [({"prompt": "x", "max_tokens": 4, "seed": -1}, "seed"),
        ({"prompt": "x = 1\n" * 400, "max_tokens": 4}, "at most"),
        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
        ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "limit"),
-       ({"prompt": "x", "max_tokens": 4, "n": 2}, "n is not supported"),
+       ({"prompt": "x", "max_tokens": 4, "n": SLOTS + 1}, "exceeds this server's 4 slots"),
+       ({"prompt": "x", "max_tokens": 4, "n": 0}, "n:"),
        ({"prompt": [99999], "max_tokens": 4}, "vocabulary"),
        ({"messages": [], "max_tokens": 4}, "messages"),
        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -262,7 +289,7 @@ def _fuzz_body(draw, name):
         "temperature": pick([MISSING, None, 0, 0.0, 0.7, 2], [-0.1, 2.5, "0", True]),
         "seed": pick([MISSING, None, 0, 123, 2**32 - 1], [-1, 2**32, 1.5, "3"]),
         "stop": pick([MISSING, None, "e", ["\n"], ["re", "x"]], [[""], ["a"] * 5, 3]),
-        "n": pick([MISSING, 1], [2]),
+        "n": pick([MISSING, None, 1, 2], [0, SLOTS + 1, 1.0]),
         "top_p": pick([MISSING, 1, 1.0], [0.5]),
         "model": pick([MISSING, None, name], ["gpt-4"]),
         "stream": pick([MISSING, False, True], ["yes"]),
@@ -303,7 +330,8 @@ def test_fuzzed_bodies_get_4xx_and_good_ones_their_text(server, reference):
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
                 status = r.status_code
                 lines = [json.loads(x[5:]) for x in r.iter_lines() if x.startswith("data:") and x != "data: [DONE]"]
-                text = "".join(e["choices"][0]["text"] for e in lines if "choices" in e) if status == 200 else None
+                text = "".join(e["choices"][0]["text"] for e in lines if e.get("choices")
+                               and e["choices"][0]["index"] == 0) if status == 200 else None
         else:
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
             status, text = r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else None

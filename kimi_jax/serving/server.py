@@ -3,7 +3,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Per request: ``max_tokens``
 (``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 is greedy), ``seed``, ``stop`` (strings),
-``stream``, ``stream_options.include_usage``; the extension fields ``method`` and ``budget`` must name what the
+``stream``, ``stream_options.include_usage``, ``n`` (up to the server's slots: each choice is one batch row,
+``usage`` counts the prompt once and every choice's tokens, a stream interleaves the choices' events by
+``index``, and one failing choice fails the request); the extension fields ``method`` and ``budget`` must name what the
 server was started with (one compiled program serves a batch). Chat requests also take ``tools``, ``tool_choice``,
 tool messages and ``chat_template_kwargs.thinking``; with K2's chat format the reply is parsed into ``content``,
 ``reasoning_content`` and ``tool_calls`` (``kimi_jax.serving.tools``).
@@ -56,7 +58,7 @@ from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
 # (`tools` and `tool_choice` are chat fields: here they only keep a completion request from asking for them.
 # `parallel_tool_calls: false` would need constrained decoding to hold.)
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "best_of": (1,), "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
@@ -84,6 +86,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1)
     method: Literal["ar", "dflash", "ddtree"] | None = None
     budget: int | Literal["auto"] | None = None
 
@@ -239,10 +242,6 @@ class _Generation:
             yield self._ready_text(final=True), self.finish_reason
             return
 
-    def usage(self):
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
 def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = None) -> FastAPI:
@@ -324,55 +323,68 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         if body.budget not in (None, batcher.budget if batcher.budget is not None else "auto"):
             raise BadRequest(f"budget {body.budget!r} is not served by this server (it runs "
                              f"{batcher.budget or 'auto'!r}; start it with --budget)", param="budget")
+        if (body.n or 1) > batcher.max_batch:
+            raise BadRequest(f"n {body.n} exceeds this server's {batcher.max_batch} slots (the choices run side by "
+                             "side; start it with a larger --max-batch)", param="n")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
 
     async def _run(body: _Common, ids: list[int], endpoint: str, shape, exchange: Exchange):
+        """Generate ``body.n`` choices of ``ids`` (one batch row each) and answer: one body, or a stream whose
+        events interleave the choices by index. ``shape(i)`` builds choice i's response pieces."""
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         batcher.check(ids, max_tokens)
-        rid = f"{shape['prefix']}-{uuid.uuid4().hex[:24]}"
-        gen = _Generation(app.state, rid, ids, body, max_tokens)
-        batcher.submit(gen.job)
-        open_requests.add(gen)
+        shapes = [shape(i) for i in range(body.n or 1)]
+        rid = f"{shapes[0]['prefix']}-{uuid.uuid4().hex[:24]}"
+        gens = [_Generation(app.state, rid, ids, body, max_tokens) for _ in shapes]
+        try:
+            for gen in gens:
+                batcher.submit(gen.job)
+        except (QueueFull, Draining):
+            for gen in gens:
+                gen.job.cancel()        # the choices already queued leave at once (cancelled before admission)
+            raise
+        open_requests.update(gens)
         metrics.prompt_tokens.inc(len(ids))
         exchange.id, exchange.prompt_tokens = rid, len(ids)        # the audit line names the id the client sees
-        head = {"id": rid, "created": int(time.time()), "model": model_name}
+        head = {"id": rid, "created": int(time.time()), "model": model_name, "object": shapes[0]["chunk"]}
+
+        def done():
+            open_requests.difference_update(gens)
+            for gen in gens:
+                gen.job.cancel()         # a client that left (or a failure) frees its slots at the next dispatch
+            exchange.completion_tokens = sum(g.tokens for g in gens)
+
         if not body.stream:
-            text, reason = "", None
             try:
-                async for delta, reason in gen.deltas():
-                    text += delta
+                choices = await asyncio.gather(*(_whole(g, s) for g, s in zip(gens, shapes)))
             except RequestFailed as e:
                 return _failure(e.failed, rid, endpoint)
             finally:
-                open_requests.discard(gen)
-                gen.job.cancel()         # a client that left (or a failure) frees its slot at the next dispatch
-                exchange.completion_tokens = gen.tokens
+                done()
             metrics.requests.labels(endpoint, "200").inc()
-            return {**head, "object": shape["object"], "choices": [shape["choice"](text, reason)],
-                    "usage": gen.usage()}
+            return {**head, "object": shapes[0]["object"], "choices": choices, "usage": _usage(gens)}
 
         async def events():
             status = "499"                      # unless it ends below: the client went away
             try:
-                if "first" in shape:
-                    yield _sse({**head, "object": shape["chunk"], "choices": [shape["first"]]})
-                async for delta, reason in gen.deltas():
-                    for choice in shape["deltas"](delta, reason):
-                        yield _sse({**head, "object": shape["chunk"], "choices": [choice]})
+                for s in shapes:
+                    if "first" in s:
+                        yield _sse({**head, "choices": [s["first"]]})
+                async for choice in _interleaved(gens, shapes):
+                    yield _sse({**head, "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "object": shape["chunk"], "choices": [], "usage": gen.usage()})
+                    yield _sse({**head, "choices": [], "usage": _usage(gens)})
                 yield "data: [DONE]\n\n"
                 status = "200"
             except RequestFailed as e:
                 status = str(e.failed.status)
                 yield _sse(_failure_body(e.failed, rid))
             finally:
-                open_requests.discard(gen)
-                gen.job.cancel()        # a client that left frees its slot at the next dispatch
+                done()
                 metrics.requests.labels(endpoint, status).inc()
-                exchange.status, exchange.completion_tokens = int(status), gen.tokens
+                exchange.status = int(status)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"x-request-id": rid})
 
@@ -399,32 +411,39 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             metrics.requests.labels(endpoint, "503").inc()
             return _error(503, str(e), code="shutting_down")
 
-    completion_shape = {
-        "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
-        "choice": lambda text, reason: {"index": 0, "text": text, "finish_reason": reason, "logprobs": None},
-        "deltas": lambda text, reason: [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]
-        if text or reason else []}
+    def completion_shape(i: int):
+        """A completion's pieces for choice ``i``."""
+        return {
+            "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
+            "choice": lambda text, reason: {"index": i, "text": text, "finish_reason": reason, "logprobs": None},
+            "deltas": lambda text, reason: [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}]
+            if text or reason else []}
 
-    def chat_shape(reply):
-        """The chat response's pieces for one request: its reply turns text into message fields and deltas."""
-        def choice(text, reason):
-            reply.push(text)
-            reply.end()
-            return {"index": 0, "message": reply.message(), "finish_reason": reply.finish_reason(reason),
-                    "logprobs": None}
+    def chat_shape(reply_of):
+        """The chat response's pieces for choice i: its own reply (``reply_of()``, a fresh parser) turns text into
+        message fields and deltas."""
+        def shape(i: int):
+            reply = reply_of()
 
-        def deltas(text, reason):
-            out = [{"index": 0, "delta": d, "finish_reason": None} for d in reply.push(text) + (
-                reply.end() if reason else [])]
-            if reason:
-                if not out:
-                    out.append({"index": 0, "delta": {}, "finish_reason": None})
-                out[-1]["finish_reason"] = reply.finish_reason(reason)
-            return out
+            def choice(text, reason):
+                reply.push(text)
+                reply.end()
+                return {"index": i, "message": reply.message(), "finish_reason": reply.finish_reason(reason),
+                        "logprobs": None}
 
-        return {"prefix": "chatcmpl", "object": "chat.completion", "chunk": "chat.completion.chunk",
-                "first": {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
-                "choice": choice, "deltas": deltas}
+            def deltas(text, reason):
+                out = [{"index": i, "delta": d, "finish_reason": None} for d in reply.push(text) + (
+                    reply.end() if reason else [])]
+                if reason:
+                    if not out:
+                        out.append({"index": i, "delta": {}, "finish_reason": None})
+                    out[-1]["finish_reason"] = reply.finish_reason(reason)
+                return out
+
+            return {"prefix": "chatcmpl", "object": "chat.completion", "chunk": "chat.completion.chunk",
+                    "first": {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+                    "choice": choice, "deltas": deltas}
+        return shape
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -458,8 +477,8 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             thinking = body.chat_template_kwargs.thinking if body.chat_template_kwargs else None
             plan = ToolPlan(body.tools, body.tool_choice, thinking, has_reply_format(tok))
             prompt = plan.prompt(tok, [m.model_dump(exclude_none=True) for m in body.messages])
-            return await _run(body, tok.encode(prompt), "/v1/chat/completions", chat_shape(plan.reply(prompt)),
-                              request.scope[SCOPE_KEY])
+            return await _run(body, tok.encode(prompt), "/v1/chat/completions",
+                              chat_shape(lambda: plan.reply(prompt)), request.scope[SCOPE_KEY])
         return await _guarded("/v1/chat/completions", work)
 
     def end_open_requests():
@@ -468,6 +487,51 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
     app.state.end_open_requests = end_open_requests
     app.add_middleware(AccessControl, policy=policy, metrics=metrics, routes={r.path for r in app.routes})
     return app
+
+
+async def _whole(gen: _Generation, shape) -> dict:
+    """Choice ``gen`` as one piece, once it ended."""
+    text, reason = "", None
+    async for delta, reason in gen.deltas():
+        text += delta
+    return shape["choice"](text, reason)
+
+
+async def _interleaved(gens: list[_Generation], shapes):
+    """The stream's choice deltas of every generation, as each arrives. The first failure raises RequestFailed."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen, shape):
+        try:
+            async for delta, reason in gen.deltas():
+                for choice in shape["deltas"](delta, reason):
+                    await merged.put(choice)
+        except RequestFailed as e:
+            await merged.put(e)
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g, s)) for g, s in zip(gens, shapes)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await merged.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, RequestFailed):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(gens: list[_Generation]) -> dict:
+    """One prompt, every choice's tokens (OpenAI counts n choices' completions together)."""
+    prompt, tokens = gens[0].prompt_tokens, sum(g.tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
+            "prompt_tokens_details": {"cached_tokens": gens[0].job.cached}}
 
 
 def _failure_body(failed: Failed, rid: str) -> dict:
