@@ -49,11 +49,20 @@ is L unrolled steps, each a masked compare over all 1+N nodes (O(L*N)); L is pas
 because the tree's shape only bounds the depth by N.
 
 The ancestor mask uses pointer jumping, ceil(log2(1+N)) rounds of whole-row gathers (O(N^2 log N) bits).
+
+Constrained trees (structured output, ``kimi_jax.text.grammar``): an automaton ``step(states, tokens) -> states``
+(-1 = dead: the token is not allowed there) with each row's state after its committed text. The builder then
+keeps only candidates whose step from their parent's state is alive, so every node of the tree is a prefix the
+grammar allows (the per-depth top-K is taken first, so a depth whose best K tokens the grammar refuses yields
+fewer nodes; depth 1 can be given the exact allowed set, ``first_allowed``). ``node_states`` gives each node's
+state, which verify uses to mask the target's distribution at that node. Losslessness does not depend on the
+restriction: the target samples only allowed tokens, so a refused node could never be accepted; the
+restriction only stops the budget going to such nodes.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,13 +93,22 @@ def root_only(root: jax.Array, budget: int) -> Tree:
     )
 
 
-def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int) -> Tree:
-    """The `budget` most probable prefixes of the draft, as a Tree. root [B] int, draft_logits [B, L, V]."""
+Step = Callable[[jax.Array, jax.Array], jax.Array]      # (states [B, n], tokens [B, n]) -> states; -1 = dead
+
+
+def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int, step: Step | None = None,
+               root_state: jax.Array | None = None, first_allowed: jax.Array | None = None) -> Tree:
+    """The `budget` most probable prefixes of the draft, as a Tree. root [B] int, draft_logits [B, L, V].
+    With ``step`` and ``root_state`` [B], only prefixes the automaton allows (module doc); ``first_allowed``
+    [B, V] bool: the tokens root_state allows, applied before depth 1's top-K."""
     log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
-    return build_tree_from_log_probs(root, log_probs, budget)
+    if first_allowed is not None:
+        log_probs = log_probs.at[:, 0].set(jnp.where(first_allowed, log_probs[:, 0], -jnp.inf))
+    return build_tree_from_log_probs(root, log_probs, budget, step, root_state)
 
 
-def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int) -> Tree:
+def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int, step: Step | None = None,
+                              root_state: jax.Array | None = None) -> Tree:
     """`build_tree` on normalised log-probs [B, L, V] (float32, every entry <= 0 so that a parent never scores
     below its child). Tests call this directly to feed the heap reference bit-identical log-probs."""
     n = int(budget)
@@ -113,15 +131,21 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
     levels = []  # per depth: (score, valid, parent slot in previous level, token), each [B, N]
     par_score = jnp.zeros((bsz, 1), jnp.float32)
     par_valid = jnp.ones((bsz, 1), bool)
+    par_state = None if step is None else root_state.astype(jnp.int32)[:, None]
     for d in range(depth_l):
         n_par = par_score.shape[1]
         cand = (par_score[:, :, None] + top_lp[:, d, None, :]).reshape(bsz, n_par * k)
         cand_valid = jnp.broadcast_to(par_valid[:, :, None], (bsz, n_par, k)).reshape(bsz, n_par * k)
+        if step is not None:        # a candidate the automaton refuses after its parent is no candidate
+            cand_state = step(jnp.repeat(par_state, k, axis=1), jnp.tile(top_id[:, d], (1, n_par)))
+            cand_valid = cand_valid & (cand_state >= 0)
         cand = jnp.where(cand_valid, cand, -jnp.inf)
         if n_par * k < n:  # only at shallow depths with a tiny vocab: pad so top_k can return N
             pad = n - n_par * k
             cand = jnp.pad(cand, ((0, 0), (0, pad)), constant_values=-jnp.inf)
             cand_valid = jnp.pad(cand_valid, ((0, 0), (0, pad)))
+            if step is not None:
+                cand_state = jnp.pad(cand_state, ((0, 0), (0, pad)), constant_values=-1)
         # Stable top_k: among equal scores the lower flat index, i.e. the smaller rank tuple, wins; and a
         # valid -inf candidate beats the invalid ones, which all lie further right.
         _, idx = jax.lax.top_k(cand, n)
@@ -132,6 +156,8 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
         token = jnp.take_along_axis(top_id[:, d], idx % k, axis=1)
         levels.append((score, valid, parent, token))
         par_score, par_valid = score, valid
+        if step is not None:
+            par_state = jnp.take_along_axis(cand_state, idx, axis=1)
 
     # Step 3a: pre-order numbers of the kept forest (root = 0, nodes 1..M), which order nodes exactly as
     # Python orders their rank tuples. Subtree sizes bottom-up, then each node's number is its parent's + 1 +
@@ -204,6 +230,18 @@ def chain_tree(root: jax.Array, draft_tokens: jax.Array) -> Tree:
         scores=jnp.zeros((bsz, 1 + depth_l), jnp.float32),
         valid=jnp.ones((bsz, 1 + depth_l), bool),
     )
+
+
+def node_states(tree: Tree, step: Step, root_state: jax.Array, max_depth: int) -> jax.Array:
+    """[B, 1+N] int32: the automaton's state after each node's prefix (root: ``root_state``, the row's state after
+    its committed text and the root token), by ``step`` along the node's path; -1 for a node the automaton
+    refuses (and its descendants) and for padding. ``max_depth`` (static) bounds the tree's depth: one step of
+    every node per depth, each node taking its parent's state once the parent's is final."""
+    states = jnp.where(jnp.arange(tree.tokens.shape[1]) == 0, root_state.astype(jnp.int32)[:, None], -1)
+    for d in range(1, max_depth + 1):
+        from_parent = step(jnp.take_along_axis(states, jnp.maximum(tree.parents, 0), axis=1), tree.tokens)
+        states = jnp.where(tree.valid & (tree.depths == d), from_parent, states)
+    return states
 
 
 def truncate(tree: Tree, width: int) -> Tree:
