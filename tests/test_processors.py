@@ -422,3 +422,10 @@ def test_inputs_refuse_processors_the_request_was_not_prepared_with(model):
     request = model.prepare(PROMPTS, 4, "ar")
     with pytest.raises(GenerationError, match="prepared without logits processors"):
         model.inputs(request, top_k=3)
+
+
+@pytest.mark.slow      # two more programs (prefill, chunk); the round they run is generate's
+def test_stream_carries_the_history_across_dispatches(model):
+    want = model.generate(PROMPTS, 12, method="ar", **SETTINGS).tokens
+    *chunks, last = model.stream(PROMPTS, 12, method="ar", rounds_per_dispatch=3, **SETTINGS)
+    assert last.tokens == want and len(chunks) > 1

@@ -124,8 +124,7 @@ def sampling(rows: int, vocab: int, **values) -> Sampling:
     cols = {name: np.asarray(_rows_of(name, values.get(name), rows), dtype) for name, dtype in _SCALARS.items()}
     bias_ids = np.full((rows, LOGIT_BIAS_ENTRIES), -1, np.int32)
     bias = np.zeros((rows, LOGIT_BIAS_ENTRIES), np.float32)
-    maps = values.get("logit_bias")
-    for r, m in enumerate(_rows_of("logit_bias", maps if isinstance(maps, (list, tuple)) else [maps], rows)):
+    for r, m in enumerate(_rows_of("logit_bias", values.get("logit_bias"), rows)):
         for slot, (key, value) in enumerate(m.items()):
             token = fields.token_id(key)
             if token >= vocab:
