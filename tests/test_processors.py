@@ -19,7 +19,7 @@ import scipy.stats
 
 import kimi_jax
 from kimi_jax.config import preset
-from kimi_jax.decoding import ddtree, processors
+from kimi_jax.decoding import ddtree, engine, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.fields import LOGIT_BIAS_ENTRIES
@@ -212,6 +212,23 @@ def test_history_counts_the_prompt_and_the_emitted_tokens():
     h = processors.record(h, jnp.asarray([[5, 5, 1], [3, 2, 2]]), jnp.asarray([2, 3]))
     np.testing.assert_array_equal(h.in_prompt, [[0, 0, 1, 0, 1, 0], [0, 1, 0, 0, 0, 0]])
     np.testing.assert_array_equal(h.counts, [[0, 0, 0, 0, 0, 2], [0, 0, 2, 1, 0, 0]])
+
+
+def test_a_cached_prefix_counts_as_prompt():
+    """With a prefix cache the prompt input is only the uncached rest: the prefix's tokens (Prefix.tokens) join
+    the repetition penalty's prompt set; a processing spec without them, or without Sampling, is refused."""
+    spec = engine.Spec(preset("tiny"), process=True)
+    zero = jnp.zeros((1, 1), jnp.int32)
+    prefix = engine.Prefix(kv=zero, k=None, v=None, pages=zero, length=jnp.asarray([2]),
+                           tokens=jnp.asarray([[4, 9, -1, -1]]))
+    inputs = engine.Inputs(params=None, drafter_params=None, prompt=jnp.asarray([[2, 3, 0, 0]]), lens=jnp.asarray([1]),
+                           temperature=1.0, seed=0, prefix=prefix, sampling=processors.sampling(1, 256))
+    seen = engine._start_history(inputs, spec).in_prompt[0]
+    assert np.flatnonzero(seen).tolist() == [2, 4, 9]
+    with pytest.raises(ValueError, match="Prefix.tokens"):
+        engine._start_history(inputs.replace(prefix=prefix.replace(tokens=None)), spec)
+    with pytest.raises(ValueError, match="Inputs.sampling"):
+        engine._start_history(inputs.replace(sampling=None), spec)
 
 
 # ---- lossless sampling: DDTree with the pipeline at every node vs AR under the processed conditionals ---------

@@ -45,8 +45,8 @@ values.
 
 Programs: one static flag (``engine.Spec.process``) turns the pipeline on. Off, the programs are today's
 (argmax, or a sample at the batch's temperature) at today's cost. On, every combination of values shares the
-program, the sampling flag (greedy or not) being the only other static choice; the sort the truncations need
-runs only in rounds where some row asks for top_k or top_p (``lax.cond``), and never in greedy programs.
+program, the sampling flag (greedy or not) being the only other static choice; min_p's softmax and the sort
+top_k/top_p need run only in rounds where some row asks for them (``lax.cond``), and never in greedy programs.
 
 Cost at K2.6 (V = 163840, up to 16 rows x 65 nodes = 1040 distributions per round): bias and penalties are
 O(V) elementwise passes over each distribution (~170M elements, a few passes of ~0.7 GB of float32: well under
@@ -207,8 +207,10 @@ def penalise(logits, s: Sampling, history: History, tree=None):
 def truncate(logits, s: Sampling):
     """min_p, then top_k, then top_p (module doc) on temperature-scaled logits [b, n, V]: the dropped -> -inf."""
     nd = logits.ndim
-    probs = jax.nn.softmax(logits, axis=-1)
-    logits = jnp.where(probs < _col(s.min_p, nd) * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, logits)
+
+    def min_p_cut(logits):
+        probs = jax.nn.softmax(logits, axis=-1)
+        return jnp.where(probs < _col(s.min_p, nd) * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, logits)
 
     def sorted_cut(logits):
         asc = jnp.sort(logits, axis=-1)                    # ascending, as HF's TopP: its cumsum adds the tail first
@@ -221,8 +223,9 @@ def truncate(logits, s: Sampling):
         smallest_kept = jnp.take_along_axis(asc, jnp.minimum(cut_off, vocab - 1), axis=-1)
         return jnp.where(logits < jnp.maximum(kth, smallest_kept), -jnp.inf, logits)
 
-    needed = jnp.any(s.top_k > 0) | jnp.any(s.top_p < 1)    # the sort only in rounds that ask for it
-    return jax.lax.cond(needed, sorted_cut, lambda x: x, logits)
+    # each pass only in rounds where some row asks for it (the sort is the pipeline's one costly step)
+    logits = jax.lax.cond(jnp.any(s.min_p > 0), min_p_cut, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(s.top_k > 0) | jnp.any(s.top_p < 1), sorted_cut, lambda x: x, logits)
 
 
 def process(logits, s: Sampling, history: History, temperature, sample: bool, tree=None):
