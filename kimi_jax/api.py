@@ -234,9 +234,10 @@ class Model:
         sampling = processors.sampling(rows, self.config.vocab_size, **processing)
         if request.spec.process:
             return sampling
-        if processors.requested(**processing):
-            raise GenerationError("this request was prepared without logits processors: pass the same "
-                                  f"{', '.join(sorted(processing))} to prepare")
+        asked = sorted(name for name, value in processing.items() if processors.requested(**{name: value}))
+        if asked:
+            raise GenerationError(f"this request was prepared without logits processors: pass the same "
+                                  f"{', '.join(asked)} to prepare")
         return None
 
     def lower(self, request: Request) -> jax.stages.Lowered:
