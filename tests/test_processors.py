@@ -168,6 +168,18 @@ def test_the_whole_pipeline_matches_the_reference_in_order():
                                                       sample))
 
 
+@pytest.mark.parametrize("top_k", [[0, 3, 8, 1], [0, 3, 9, 1]])
+def test_top_k_fast_path_and_the_sort_agree(monkeypatch, top_k):
+    """top_k <= TOP_K_FAST (here 8) without top_p takes lax.top_k; 9 takes the sort; both are HF's TopK."""
+    monkeypatch.setattr(processors, "TOP_K_FAST", 8)
+    logits = np.random.default_rng(4).standard_normal((4, 50)).astype(np.float32)
+    logits[3, :3] = logits[3].max()                              # a tie at the top_k = 1 cut: all kept
+    s = processors.sampling(4, 50, top_k=top_k)
+    got = jax.jit(processors.truncate)(jnp.asarray(logits)[:, None], s)[:, 0]
+    for r in range(4):
+        assert_same_logits(got[r], ref_top_k(logits[r], top_k[r]))
+
+
 # ---- each tree node with its own history ---------------------------------------------------------------------
 
 def hand_tree():

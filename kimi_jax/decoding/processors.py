@@ -5,7 +5,7 @@ prompt (``engine.prefill_rows``) and every node of every round's tree (``engine.
 root-only tree). Every value is a per-row run-time input (``Sampling``, arrays [b]), so one batch mixes
 requests with different settings in one compiled program.
 
-Order (vLLM v1's sampler; the server speaks OpenAI's API, whose clients expect vLLM's results)::
+Order (vLLM v1's sampler: the server speaks OpenAI's API, as vLLM does, so a request means the same there)::
 
     logit_bias -> repetition_penalty -> frequency/presence penalties -> temperature -> min_p -> top_k -> top_p
 
@@ -47,12 +47,18 @@ Programs: one static flag (``engine.Spec.process``) turns the pipeline on. Off, 
 (argmax, or a sample at the batch's temperature) at today's cost. On, every combination of values shares the
 program, the sampling flag (greedy or not) being the only other static choice; min_p's softmax and the sort
 top_k/top_p need run only in rounds where some row asks for them (``lax.cond``), and never in greedy programs.
+A round whose rows ask for top_k (all at most ``TOP_K_FAST``) but no top_p takes the k-th largest value from
+``lax.top_k`` instead of a sort: the same value, so the same result.
 
 Cost at K2.6 (V = 163840, up to 16 rows x 65 nodes = 1040 distributions per round): bias and penalties are
-O(V) elementwise passes over each distribution (~170M elements, a few passes of ~0.7 GB of float32: well under
-a millisecond of HBM time on an H100-class GPU), plus the [b, 65, 65] path correction (negligible). min_p is a
+O(V) elementwise passes over each distribution (~170M elements: ~0.7 GB of float32 per pass, ~0.2 ms of HBM
+time each on an H100, about a millisecond for the few passes), plus the [b, 65, 65] path correction
+(negligible). min_p is a
 softmax pass. top_k/top_p sort every distribution: 1040 sorts of 163840 floats per round, the one costly step
-(on the order of milliseconds on a GPU, unmeasured here); only rounds with a top_k/top_p row pay it.
+(on the order of milliseconds on a GPU, unmeasured here); only rounds with a top_p row (or a top_k above
+``TOP_K_FAST``) pay it. An exact top_p fast path (cut inside a lax.top_k prefix, sort as the fallback) is not
+done: its cumulative sums would differ from the sort's by rounding, so a node's distribution would depend on
+which path its batch took.
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ class History:
     counts: jax.Array             # [b, V] int32: occurrences of each token among the emitted tokens
     in_prompt: jax.Array          # [b, V] bool: the token occurs in the prompt
 
+
+TOP_K_FAST = 1024   # rounds whose rows ask for top_k <= this and no top_p take lax.top_k instead of a full sort
 
 _SCALARS = {"top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "presence_penalty": np.float32,
             "frequency_penalty": np.float32, "repetition_penalty": np.float32}
@@ -223,9 +231,21 @@ def truncate(logits, s: Sampling):
         smallest_kept = jnp.take_along_axis(asc, jnp.minimum(cut_off, vocab - 1), axis=-1)
         return jnp.where(logits < jnp.maximum(kth, smallest_kept), -jnp.inf, logits)
 
+    def top_k_cut(logits):
+        # top_k alone, from lax.top_k: the k-th largest value is the very value the sort finds, so this is exact.
+        # Rows flattened to 2-D: XLA:CPU lowers a 3-D top_k to a full sort (as in ddtree.build_tree).
+        vocab = logits.shape[-1]
+        width = min(TOP_K_FAST, vocab)
+        top = jax.lax.top_k(logits.reshape(-1, vocab), width)[0].reshape(logits.shape[:-1] + (width,))
+        kth = jnp.take_along_axis(top, _col(jnp.clip(s.top_k, 1, width) - 1, nd), axis=-1)
+        return jnp.where((logits < kth) & (_col(s.top_k, nd) > 0), -jnp.inf, logits)
+
     # each pass only in rounds where some row asks for it (the sort is the pipeline's one costly step)
     logits = jax.lax.cond(jnp.any(s.min_p > 0), min_p_cut, lambda x: x, logits)
-    return jax.lax.cond(jnp.any(s.top_k > 0) | jnp.any(s.top_p < 1), sorted_cut, lambda x: x, logits)
+    cut = jnp.any(s.top_k > 0) | jnp.any(s.top_p < 1)
+    top_k_only = jnp.all(s.top_p >= 1) & jnp.all(s.top_k <= min(TOP_K_FAST, logits.shape[-1]))
+    return jax.lax.switch(jnp.where(cut, jnp.where(top_k_only, 1, 2), 0),
+                          [lambda x: x, top_k_cut, sorted_cut], logits)
 
 
 def process(logits, s: Sampling, history: History, temperature, sample: bool, tree=None):
