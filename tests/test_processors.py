@@ -417,6 +417,15 @@ def test_greedy_ddtree_equals_greedy_ar_with_penalties_and_logit_bias(processed_
         assert out.stats["mean_tau"] > 2.0            # long paths, with repeated tokens, were accepted
 
 
+@pytest.mark.slow      # one more program: the sampling one
+def test_sampling_ddtree_at_top_k_1_is_the_greedy_continuation(processed_ar):
+    """top_k = 1 leaves each node one token, the argmax of its penalised logits: DDTree sampling (every node's
+    history, the truncation, the first token from prefill) must then emit exactly the greedy AR tokens."""
+    ar, oracle = processed_ar
+    out = oracle.generate(PROMPTS, 20, method="ddtree", budget=32, temperature=0.8, seed=3, top_k=1, **SETTINGS)
+    assert out.tokens == ar and out.stats["mean_tau"] > 2.0
+
+
 def test_every_value_shares_one_program(model):
     first = model.generate(PROMPTS, 8, method="ar", temperature=0.9, seed=1, top_k=[3, 0], top_p=0.8)
     again = model.generate(PROMPTS, 8, method="ar", temperature=0.5, seed=2, min_p=[0.1, 0.2], presence_penalty=1.0,
