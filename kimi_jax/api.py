@@ -39,7 +39,7 @@ import numpy as np
 from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.decoding import auto, engine
+from kimi_jax.decoding import auto, engine, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.decoding.programs import Programs, Request, blank_costs, lay_out, relaid
@@ -130,12 +130,13 @@ class Model:
         return out[0] if single else out
 
     # ---- generation --------------------------------------------------------------------------------------
-    def spec(self, method, budget, temperature, block_size=None) -> engine.Spec:
-        """The static description of the programs that serve a request (engine.Spec)."""
+    def spec(self, method, budget, temperature, block_size=None, process: bool = False) -> engine.Spec:
+        """The static description of the programs that serve a request (engine.Spec); ``process``: the logits
+        processors on (``kimi_jax.decoding.processors``: one program serves every value of them)."""
         if budget == "auto":
             budget = None
         if method == "ar":
-            return engine.Spec(self.config, "ar", 0, temperature > 0, rt=self.runtime)
+            return engine.Spec(self.config, "ar", 0, temperature > 0, rt=self.runtime, process=process)
         if self.drafter is None:
             raise GenerationError(f"method {method!r} needs a drafter: kimi_jax.load(path, drafter=...)")
         block = block_size or self.drafter.config.block_size
@@ -147,19 +148,22 @@ class Model:
         elif budget is None:          # ddtree's default: the cost-model policy over auto.AUTO_WIDTHS
             widths = auto.AUTO_WIDTHS
             return engine.Spec(self.config, method, max(widths), temperature > 0, self.drafter.config, block, widths,
-                               rt=self.runtime)
+                               rt=self.runtime, process=process)
         return engine.Spec(self.config, method, int(budget), temperature > 0, self.drafter.config, block,
-                           rt=self.runtime)
+                           rt=self.runtime, process=process)
 
     def prepare(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
-                temperature: float = 0.0, block_size: int | None = None) -> Request:
+                temperature: float = 0.0, block_size: int | None = None, **processing) -> Request:
         """Validate a request and lay it out for the engine's programs (what ``generate`` runs on; also the way
-        in for code that drives the engine itself: ``prefill``, ``program``)."""
+        in for code that drives the engine itself: ``prefill``, ``program``). ``processing``: the logits
+        processors (``fields.PROCESSORS``, as ``generate`` takes them); any value off its default turns them on
+        in the spec (``Spec.process``), and ``inputs`` then needs the same values."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
         fields.check(max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
                      block_size=block_size)
-        spec = self.spec(method, budget, temperature, block_size)
         rows = self.encode(prompt)
+        processors.sampling(len(rows), self.config.vocab_size, **processing)      # checked before any compile
+        spec = self.spec(method, budget, temperature, block_size, processors.requested(**processing))
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
@@ -187,7 +191,7 @@ class Model:
         spec = request.spec
         if not spec.widths or not auto.drafter_off(self.cost_table(request)):
             return request
-        ar = self.spec("ar", None, 1.0 if spec.sample else 0.0)        # the same sampling, no drafter
+        ar = self.spec("ar", None, 1.0 if spec.sample else 0.0, process=spec.process)   # the same sampling, no drafter
         return relaid(self.config, self.runtime, request, ar, drafter_off=True)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
@@ -205,12 +209,14 @@ class Model:
                                   f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
     def inputs(self, request: Request, temperature: float = 0.0, seed: int = 0, costs="calibrated",
-               force: int = -1, max_rounds: int | None = None) -> engine.Inputs:
+               force: int = -1, max_rounds: int | None = None, **processing) -> engine.Inputs:
         """The run-time inputs of the request's programs as one pytree (``engine.Inputs``): compute params,
         drafter params, prompt, lengths, temperature, seed; for auto requests the cost table ("calibrated":
         ``cost_table``, measured on first use; or a [2, len(widths)] array), a forced width index (-1: the policy
-        chooses) and a round limit (None: until done)."""
+        chooses) and a round limit (None: until done); the logits processors' values (``processing``, each a
+        scalar or one value per row; a request prepared without them takes none)."""
         fields.check(temperature=temperature, seed=seed)
+        sampling = self._sampling(request, processing)
         if isinstance(costs, str):
             costs = self._costs_arg(request)
         # numpy inputs: transferred with the launch, no extra device programs (see test_one_dispatch_per_generate)
@@ -219,7 +225,20 @@ class Model:
             prompt=np.asarray(request.prompt, np.int32), lens=np.asarray(request.lens, np.int32),
             temperature=np.float32(max(temperature, 1e-6)), seed=np.uint32(seed),
             costs=None if costs is None else np.asarray(costs, np.float32), force=np.int32(force),
-            max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop))
+            max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop),
+            sampling=sampling)
+
+    def _sampling(self, request: Request, processing: dict):
+        """The per-row processor values of a processing request (None for one without processors)."""
+        rows = len(request.lens)
+        sampling = processors.sampling(rows, self.config.vocab_size, **processing)
+        if request.spec.process:
+            return sampling
+        asked = sorted(name for name, value in processing.items() if processors.requested(**{name: value}))
+        if asked:
+            raise GenerationError(f"this request was prepared without logits processors: pass the same "
+                                  f"{', '.join(asked)} to prepare")
+        return None
 
     def lower(self, request: Request) -> jax.stages.Lowered:
         """The whole-generation program lowered for the request's shapes (and this model's mesh):
@@ -237,11 +256,11 @@ class Model:
         cache layout), with ``kimi_jax.decoding.programs``. Call it on ``inputs(request, ...)``."""
         return self.programs.generate(request, self._compile_inputs(request))
 
-    def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0):
+    def prefill(self, request: Request, temperature: float = 0.0, seed: int = 0, **processing):
         """-> (engine state after the prompt, NaN flag): the first dispatch of ``stream``; continue it with
-        ``self.programs.advance``."""
+        ``self.programs.advance``. ``processing``: the logits processors, as ``inputs``."""
         program, _ = self.programs.prefill(request, self._compile_inputs(request))
-        return program(self.inputs(request, temperature, seed))
+        return program(self.inputs(request, temperature, seed, **processing))
 
     def cost_table(self, request: Request) -> np.ndarray:
         """[2, len(spec.widths)]: seconds per round and prior expected tokens per row at each width on this
@@ -255,8 +274,16 @@ class Model:
         return np.asarray(self.cost_table(request), np.float32)
 
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
-                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None) -> Generation:
+                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None, *, top_k=None, top_p=None,
+                 min_p=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                 logit_bias=None) -> Generation:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
+
+        The logits processors (``kimi_jax.decoding.processors``, in its order: logit_bias, repetition_penalty,
+        frequency_penalty and presence_penalty, temperature, min_p, top_k, top_p), each a scalar for every row or
+        a list with one value per row (``logit_bias``: a {token id: bias} map, or a list of them); None or the
+        default leaves the distribution as it is. Greedy decoding takes the argmax of the biased, penalised
+        logits. Ranges: ``kimi_jax.fields.FIELDS``.
 
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
         width by expected tokens per second under costs calibrated on this backend (``cost_table``); where those
@@ -267,11 +294,15 @@ class Model:
         when its programs were compiled before, e.g. for another length of the same bucket),
         dispatches, and drafter: "on" (a drafter ran), "off (calibrated)" (an auto request ran as AR, see
         ``resolve``) or "none" (method ar)."""
+        processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                          logit_bias=logit_bias)
         compiled_before = self.programs.compile_s       # resolve may compile (calibrating the cost table)
-        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
+        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
+                                            **processing))
         program, _ = self.program(request)
         compile_s = self.programs.compile_s - compiled_before
-        inputs = self.inputs(request, temperature, seed)
+        inputs = self.inputs(request, temperature, seed, **processing)
         t0 = time.perf_counter()
         state, nan = program(inputs)
         n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.stats.accepted,
@@ -295,13 +326,19 @@ class Model:
 
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
-               rounds_per_dispatch: int = 4) -> Iterator[list[list[int]] | Generation]:
+               rounds_per_dispatch: int = 4, *, top_k=None, top_p=None, min_p=None, presence_penalty=None,
+               frequency_penalty=None, repetition_penalty=None,
+               logit_bias=None) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
-        the caller's time between items)."""
+        the caller's time between items). The logits processors as ``generate``'s."""
+        processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                          logit_bias=logit_bias)
         compiled_before = self.programs.compile_s
-        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size))
-        inputs = self.inputs(request, temperature, seed)
+        request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
+                                            **processing))
+        inputs = self.inputs(request, temperature, seed, **processing)
         prefill, _ = self.programs.prefill(request, self._compile_inputs(request))
         self.programs.chunk(request, self._compile_inputs(request))
         compile_s = self.programs.compile_s - compiled_before

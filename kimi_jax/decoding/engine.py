@@ -34,7 +34,7 @@ from kimi_jax import sharding
 from kimi_jax.cache import KVCache, init_cache, init_paged_cache
 from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.decoding import auto, ddtree, methods
+from kimi_jax.decoding import auto, ddtree, methods, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.fields import METHODS, GenerationError  # noqa: F401  (both are part of the engine's surface)
 from kimi_jax.model.transformer import ForwardOut, chunked_forward, forward
@@ -52,6 +52,9 @@ class Spec(NamedTuple):
     block_size: int = 0
     widths: tuple[int, ...] = ()  # ddtree auto: candidate widths, ascending (0 = root only); () = fixed budget
     rt: Runtime = Runtime()       # kernels and mesh the target runs with
+    # The logits processors (kimi_jax.decoding.processors) on: Inputs.sampling's per-row values, State.history.
+    # Off, the program chooses as before (argmax, or a sample at the temperature) and carries neither.
+    process: bool = False
 
     @property
     def steps(self):
@@ -68,6 +71,9 @@ class Prefix:
     v: jax.Array | None           # the same for V
     pages: jax.Array              # [b, n] int32: the store page of each row's first n prompt pages; store_pages = none
     length: jax.Array             # [b] int32: cached prefix tokens per row (whole pages)
+    # [b, n * page] int32: the cached tokens (-1 past length), which the repetition penalty counts as prompt;
+    # needed only by processing specs (Spec.process)
+    tokens: jax.Array | None = None
 
     def rows(self, store):
         """The store's pages of every row, laid end to end: [store layers, b, n * page, ...] (zeros where none)."""
@@ -89,6 +95,7 @@ class Inputs:
     max_rounds: jax.Array = 2 ** 30   # rounds to run at most (calibration times rounds with the serving program)
     max_tokens: jax.Array = 2 ** 30   # new tokens per row at most (the static max_new bounds it)
     prefix: Prefix | None = None  # cached pages the prompts continue (prompt/lens are then the rest of each prompt)
+    sampling: processors.Sampling | None = None   # per-row processor values; required by (only) Spec.process
 
 
 @flax.struct.dataclass
@@ -113,6 +120,9 @@ class State:
     temperature: jax.Array        # float32 scalar
     stats: Stats
     policy: auto.Policy
+    # Spec.process only (else None); both per row, batch at axis 0
+    sampling: processors.Sampling | None = None
+    history: processors.History | None = None
 
 
 class Round(NamedTuple):
@@ -124,11 +134,37 @@ class Round(NamedTuple):
     bonus: jax.Array              # [b]
 
 
-def _choose(logits, spec: Spec, temperature, key):
-    """The target's token at every position: argmax, or one independent sample from softmax(logits / T)."""
+def _choose(logits, spec: Spec, state: State, key, tree: ddtree.Tree | None = None):
+    """The target's token at every position of logits [b, n, V]: argmax, or one independent sample from
+    softmax(logits / T); with Spec.process, of the processed logits, each tree node with its own path's history."""
+    if spec.process:
+        return processors.choose(logits, state.sampling, state.history, state.temperature, key, spec.sample, tree)
     if not spec.sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / state.temperature, axis=-1).astype(jnp.int32)
+
+
+def _recorded(state: State, new_tokens, n_out):
+    """The processors' history after ``_emit`` took new_tokens [b, w] to n_out tokens (None without processors)."""
+    if state.history is None:
+        return None
+    return processors.record(state.history, new_tokens, n_out - state.n_out)
+
+
+def _start_history(inputs: Inputs, spec: Spec):
+    """The processors' history of the prompts (with a cached prefix, its tokens too), or None without them."""
+    if not spec.process:
+        return None
+    if inputs.sampling is None:
+        raise ValueError("a processing spec (Spec.process) needs Inputs.sampling (kimi_jax.decoding.processors)")
+    tokens = inputs.prompt
+    known = jnp.arange(tokens.shape[1])[None, :] < inputs.lens[:, None]      # not padding
+    if inputs.prefix is not None:
+        if inputs.prefix.tokens is None:
+            raise ValueError("the repetition penalty counts a cached prefix's tokens: give Prefix.tokens")
+        tokens = jnp.concatenate([inputs.prefix.tokens, tokens], axis=1)
+        known = jnp.concatenate([inputs.prefix.tokens >= 0, known], axis=1)
+    return processors.start_history(tokens, known, spec.cfg.vocab_size)
 
 
 def _check_logits(logits):
@@ -209,20 +245,22 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
         last = jnp.take_along_axis(fwd.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     cache = fwd.cache.replace(lengths=(start + prompt_lens).astype(jnp.int32))
     key, sub = jax.random.split(key)
-    first = _choose(last, spec, inputs.temperature, sub)
     drafter = rows = None
     if spec.steps.uses_drafter:
         earlier = None if prefix is None else (prefix.rows(prefix.k), prefix.rows(prefix.v))
         drafter, rows = dflash.prefill_features(inputs.drafter_params, spec.drafter_cfg, params, fwd.taps,
                                                 prompt_lens, max_len, start, earlier)
-    state = State(cache=cache, drafter=drafter, bonus=first, out=jnp.zeros((b, max_new), jnp.int32),
-                  n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
+    state = State(cache=cache, drafter=drafter, bonus=jnp.zeros((b,), jnp.int32),     # the bonus: `first` below
+                  out=jnp.zeros((b, max_new), jnp.int32), n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                   limit=jnp.full((b,), jnp.minimum(inputs.max_tokens, max_new), jnp.int32), rounds=jnp.int32(0),
                   key=key, temperature=jnp.asarray(inputs.temperature, jnp.float32),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
-                  policy=auto.start(spec.widths, inputs.costs, b))
-    out, n_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), cfg.eos_token_ids)
-    return state.replace(out=out, n_out=n_out, done=done), _check_logits(last), rows
+                  policy=auto.start(spec.widths, inputs.costs, b), sampling=inputs.sampling if spec.process else None,
+                  history=_start_history(inputs, spec))
+    first = _choose(last[:, None], spec, state, sub)          # [b, 1]; the prompt is the whole history
+    out, n_out, done = _emit(state, first, jnp.ones((b,), jnp.int32), cfg.eos_token_ids)
+    state = state.replace(bonus=first[:, 0], out=out, n_out=n_out, done=done, history=_recorded(state, first, n_out))
+    return state, _check_logits(last), rows
 
 
 # ---- the five steps of a round ---------------------------------------------------------------------------
@@ -248,7 +286,7 @@ def verify(params, spec: Spec, state: State, tree: ddtree.Tree) -> ForwardOut:
 def accept(spec: Spec, state: State, tree: ddtree.Tree, fwd: ForwardOut, key) -> Round:
     """The target's own token at every node (argmax or one sample each), then the walk along them."""
     draft_len = spec.steps.draft_len(spec)
-    target_tokens = _choose(fwd.logits, spec, state.temperature, key)
+    target_tokens = _choose(fwd.logits, spec, state, key, tree)
     path, path_len, bonus = ddtree.walk(tree, target_tokens, min(draft_len, tree.tokens.shape[1] - 1))
     path = jnp.pad(path, ((0, 0), (0, draft_len + 1 - path.shape[1])), constant_values=-1)
     return Round(tree, fwd, path, jnp.where(state.done, 0, path_len), bonus)
@@ -271,7 +309,7 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     stats = Stats(accepted=state.stats.accepted.at[:, i].set(jnp.where(state.done, 0, r.path_len)),
                   width=state.stats.width.at[i].set(width))
     return state.replace(cache=cache, drafter=drafter, bonus=r.bonus, out=out, n_out=n_out, done=done,
-                         stats=stats, rounds=state.rounds + 1, key=key)
+                         stats=stats, rounds=state.rounds + 1, key=key, history=_recorded(state, new_tokens, n_out))
 
 
 # ---- the round -------------------------------------------------------------------------------------------
