@@ -39,16 +39,21 @@ import numpy as np
 from kimi_jax import fields, sharding
 from kimi_jax.cache import init_cache
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.decoding import auto, engine, processors
+from kimi_jax.decoding import auto, constrained, engine, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.decoding.programs import Programs, Request, blank_costs, lay_out, relaid
 from kimi_jax.model.compute_layout import compute_params, own_buffers, program_platform
 from kimi_jax.model.params import check_global_mesh, param_shardings
 from kimi_jax.model.transformer import chunked_forward, full_logits
+from kimi_jax.text.grammar import GrammarCache
 from kimi_jax.text.tokenizer import load_tokenizer
 from kimi_jax.weights import checkpoint, hf
 from kimi_jax.weights.drafter import load_drafter
+
+
+# structured output's fields (``Model.grammar``), taken with the logits processors' by prepare and inputs
+STRUCTURED = ("response_format", "regex")
 
 
 @dataclasses.dataclass
@@ -69,6 +74,7 @@ class Model:
         self.programs = Programs(self.runtime)   # the compiled programs: kimi_jax.decoding.programs
         self._compute_params = None
         self._drafter_params = None
+        self.grammars = GrammarCache()     # structured output's compiled automata (kimi_jax.text.grammar)
 
     @property
     def mesh(self):
@@ -157,13 +163,17 @@ class Model:
         """Validate a request and lay it out for the engine's programs (what ``generate`` runs on; also the way
         in for code that drives the engine itself: ``prefill``, ``program``). ``processing``: the logits
         processors (``fields.PROCESSORS``, as ``generate`` takes them); any value off its default turns them on
-        in the spec (``Spec.process``), and ``inputs`` then needs the same values."""
+        in the spec (``Spec.process``), and ``inputs`` then needs the same values; so does structured output
+        (``response_format``, ``regex``: ``Spec.grammar``)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
         fields.check(max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
                      block_size=block_size)
         rows = self.encode(prompt)
+        compiled = self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED})
         processors.sampling(len(rows), self.config.vocab_size, **processing)      # checked before any compile
         spec = self.spec(method, budget, temperature, block_size, processors.requested(**processing))
+        if compiled is not None:        # the automaton's padded shape is the program's (a few buckets serve all)
+            spec = spec._replace(grammar=constrained.bucket(constrained.shape_of(compiled.tables)))
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
@@ -192,6 +202,7 @@ class Model:
         if not spec.widths or not auto.drafter_off(self.cost_table(request)):
             return request
         ar = self.spec("ar", None, 1.0 if spec.sample else 0.0, process=spec.process)   # the same sampling, no drafter
+        ar = ar._replace(grammar=spec.grammar)
         return relaid(self.config, self.runtime, request, ar, drafter_off=True)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
@@ -216,6 +227,7 @@ class Model:
         chooses) and a round limit (None: until done); the logits processors' values (``processing``, each a
         scalar or one value per row; a request prepared without them takes none)."""
         fields.check(temperature=temperature, seed=seed)
+        grammar = self._grammar_tables(request, self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED}))
         sampling = self._sampling(request, processing)
         if isinstance(costs, str):
             costs = self._costs_arg(request)
@@ -226,7 +238,28 @@ class Model:
             temperature=np.float32(max(temperature, 1e-6)), seed=np.uint32(seed),
             costs=None if costs is None else np.asarray(costs, np.float32), force=np.int32(force),
             max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop),
-            sampling=sampling)
+            sampling=sampling, grammar=grammar)
+
+    def grammar(self, response_format: dict | None = None, regex: str | None = None):
+        """The compiled automaton of a structured-output request (``kimi_jax.text.grammar``: a JSON schema,
+        ``json_object`` or a regex), or None; compiled once per format and tokenizer (``self.grammars``).
+        GenerationError for a schema feature it cannot enforce (named) or an automaton past its size limits."""
+        if response_format is None and regex is None:
+            return None
+        if self.tokenizer is None:
+            raise GenerationError("structured output needs the model's tokenizer (its tokens' bytes)")
+        return self.grammars.get(self.tokenizer, response_format, regex)
+
+    def _grammar_tables(self, request: Request, compiled):
+        """Every row's automaton padded to the request's ``Spec.grammar`` (None without it)."""
+        shape = request.spec.grammar
+        if shape is None:
+            if compiled is not None:
+                raise GenerationError("this request was prepared without structured output: pass the same "
+                                      "response_format / regex to prepare")
+            return None
+        row = constrained.row_tables(None if compiled is None else compiled.tables, self.config.vocab_size, shape)
+        return constrained.stack([row] * len(request.lens))
 
     def _sampling(self, request: Request, processing: dict):
         """The per-row processor values of a processing request (None for one without processors)."""
@@ -276,7 +309,7 @@ class Model:
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                  temperature: float = 0.0, seed: int = 0, block_size: int | None = None, *, top_k=None, top_p=None,
                  min_p=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                 logit_bias=None) -> Generation:
+                 logit_bias=None, response_format: dict | None = None, regex: str | None = None) -> Generation:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
 
         The logits processors (``kimi_jax.decoding.processors``, in its order: logit_bias, repetition_penalty,
@@ -284,6 +317,11 @@ class Model:
         a list with one value per row (``logit_bias``: a {token id: bias} map, or a list of them); None or the
         default leaves the distribution as it is. Greedy decoding takes the argmax of the biased, penalised
         logits. Ranges: ``kimi_jax.fields.FIELDS``.
+
+        Structured output: ``response_format`` as OpenAI's (``{"type": "json_object"}`` or ``{"type":
+        "json_schema", "json_schema": {"schema": ...}}``) or a ``regex``: every row's reply is generated under the
+        token automaton of it (``kimi_jax.decoding.constrained``; the DDTree keeps only prefixes it allows), and
+        ends with a complete match unless max_new_tokens cuts it first.
 
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
         width by expected tokens per second under costs calibrated on this backend (``cost_table``); where those
@@ -296,7 +334,7 @@ class Model:
         ``resolve``) or "none" (method ar)."""
         processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                          logit_bias=logit_bias)
+                          logit_bias=logit_bias, response_format=response_format, regex=regex)
         compiled_before = self.programs.compile_s       # resolve may compile (calibrating the cost table)
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
                                             **processing))
@@ -327,14 +365,14 @@ class Model:
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4, *, top_k=None, top_p=None, min_p=None, presence_penalty=None,
-               frequency_penalty=None, repetition_penalty=None,
-               logit_bias=None) -> Iterator[list[list[int]] | Generation]:
+               frequency_penalty=None, repetition_penalty=None, logit_bias=None,
+               response_format: dict | None = None, regex: str | None = None) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
         the caller's time between items). The logits processors as ``generate``'s."""
         processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                          logit_bias=logit_bias)
+                          logit_bias=logit_bias, response_format=response_format, regex=regex)
         compiled_before = self.programs.compile_s
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
                                             **processing))

@@ -34,10 +34,11 @@ from kimi_jax import sharding
 from kimi_jax.cache import KVCache, init_cache, init_paged_cache
 from kimi_jax.cache import commit as commit_cache
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.decoding import auto, ddtree, methods, processors
+from kimi_jax.decoding import auto, constrained, ddtree, methods, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.fields import METHODS, GenerationError  # noqa: F401  (both are part of the engine's surface)
 from kimi_jax.model.transformer import ForwardOut, chunked_forward, forward
+from kimi_jax.text.grammar import GrammarTables
 
 
 class Spec(NamedTuple):
@@ -55,6 +56,9 @@ class Spec(NamedTuple):
     # The logits processors (kimi_jax.decoding.processors) on: Inputs.sampling's per-row values, State.history.
     # Off, the program chooses as before (argmax, or a sample at the temperature) and carries neither.
     process: bool = False
+    # Structured output (kimi_jax.decoding.constrained): every row's token automaton padded to (states, classes),
+    # Inputs.grammar's tables, State.grammar; None: unconstrained.
+    grammar: tuple[int, int] | None = None
 
     @property
     def steps(self):
@@ -96,6 +100,7 @@ class Inputs:
     max_tokens: jax.Array = 2 ** 30   # new tokens per row at most (the static max_new bounds it)
     prefix: Prefix | None = None  # cached pages the prompts continue (prompt/lens are then the rest of each prompt)
     sampling: processors.Sampling | None = None   # per-row processor values; required by (only) Spec.process
+    grammar: GrammarTables | None = None  # per-row automata padded to Spec.grammar; required by (only) it
 
 
 @flax.struct.dataclass
@@ -123,6 +128,7 @@ class State:
     # Spec.process only (else None); both per row, batch at axis 0
     sampling: processors.Sampling | None = None
     history: processors.History | None = None
+    grammar: constrained.Grammar | None = None    # Spec.grammar: each row's automaton and its state
 
 
 class Round(NamedTuple):
@@ -132,6 +138,7 @@ class Round(NamedTuple):
     path: jax.Array               # [b, L + 1] node indices, -1 past path_len
     path_len: jax.Array           # [b]
     bonus: jax.Array              # [b]
+    states: jax.Array | None = None   # [b, 1+N]: each node's automaton state (Spec.grammar), else None
 
 
 def _choose(logits, spec: Spec, state: State, key, tree: ddtree.Tree | None = None):
@@ -165,6 +172,30 @@ def _start_history(inputs: Inputs, spec: Spec):
         tokens = jnp.concatenate([inputs.prefix.tokens, tokens], axis=1)
         known = jnp.concatenate([inputs.prefix.tokens >= 0, known], axis=1)
     return processors.start_history(tokens, known, spec.cfg.vocab_size)
+
+
+def _start_grammar(inputs: Inputs, spec: Spec, b: int):
+    """Every row's automaton at its initial state (Spec.grammar), or None."""
+    if spec.grammar is None:
+        return None
+    if inputs.grammar is None:
+        raise ValueError("a constrained spec (Spec.grammar) needs Inputs.grammar (kimi_jax.decoding.constrained)")
+    return constrained.Grammar(tables=inputs.grammar, state=jnp.zeros((b,), jnp.int32))
+
+
+def _allowed(logits, state: State, states):
+    """logits [b, n, V] with what each node's automaton state (``states`` [b, n]) refuses at -inf (Spec.grammar)."""
+    return logits if state.grammar is None else constrained.mask(logits, state.grammar.tables, states)
+
+
+def _advanced(state: State, states, bonus, last):
+    """The rows' automata after their accepted path (``states`` [b, 1+N], the path's last node index ``last`` [b])
+    and the bonus; rows already done keep theirs. None without Spec.grammar."""
+    if state.grammar is None:
+        return None
+    at = jnp.take_along_axis(states, last[:, None], axis=1)
+    new = constrained.step(state.grammar.tables)(at, bonus[:, None])[:, 0]
+    return state.grammar.replace(state=jnp.where(state.done, state.grammar.state, new))
 
 
 def _check_logits(logits):
@@ -256,10 +287,12 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
                   key=key, temperature=jnp.asarray(inputs.temperature, jnp.float32),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
                   policy=auto.start(spec.widths, inputs.costs, b), sampling=inputs.sampling if spec.process else None,
-                  history=_start_history(inputs, spec))
-    first = _choose(last[:, None], spec, state, sub)          # [b, 1]; the prompt is the whole history
-    out, n_out, done = _emit(state, first, jnp.ones((b,), jnp.int32), cfg.eos_token_ids)
-    state = state.replace(bonus=first[:, 0], out=out, n_out=n_out, done=done, history=_recorded(state, first, n_out))
+                  history=_start_history(inputs, spec), grammar=_start_grammar(inputs, spec, b))
+    start_states = None if state.grammar is None else state.grammar.state[:, None]
+    first = _choose(_allowed(last[:, None], state, start_states), spec, state, sub)   # [b, 1]: the prompt is
+    out, n_out, done = _emit(state, first, jnp.ones((b,), jnp.int32), cfg.eos_token_ids)   # the whole history
+    state = state.replace(bonus=first[:, 0], out=out, n_out=n_out, done=done, history=_recorded(state, first, n_out),
+                          grammar=_advanced(state, start_states, first[:, 0], jnp.zeros((b,), jnp.int32)))
     return state, _check_logits(last), rows
 
 
@@ -286,10 +319,13 @@ def verify(params, spec: Spec, state: State, tree: ddtree.Tree) -> ForwardOut:
 def accept(spec: Spec, state: State, tree: ddtree.Tree, fwd: ForwardOut, key) -> Round:
     """The target's own token at every node (argmax or one sample each), then the walk along them."""
     draft_len = spec.steps.draft_len(spec)
-    target_tokens = _choose(fwd.logits, spec, state, key, tree)
-    path, path_len, bonus = ddtree.walk(tree, target_tokens, min(draft_len, tree.tokens.shape[1] - 1))
+    depth = min(draft_len, tree.tokens.shape[1] - 1)
+    states = None if state.grammar is None else ddtree.node_states(
+        tree, constrained.step(state.grammar.tables), state.grammar.state, depth)
+    target_tokens = _choose(_allowed(fwd.logits, state, states), spec, state, key, tree)
+    path, path_len, bonus = ddtree.walk(tree, target_tokens, depth)
     path = jnp.pad(path, ((0, 0), (0, draft_len + 1 - path.shape[1])), constant_values=-1)
-    return Round(tree, fwd, path, jnp.where(state.done, 0, path_len), bonus)
+    return Round(tree, fwd, path, jnp.where(state.done, 0, path_len), bonus, states)
 
 
 def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, width) -> State:
@@ -308,8 +344,10 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     i = jnp.minimum(state.rounds, state.stats.accepted.shape[1] - 1)
     stats = Stats(accepted=state.stats.accepted.at[:, i].set(jnp.where(state.done, 0, r.path_len)),
                   width=state.stats.width.at[i].set(width))
+    last = jnp.take_along_axis(r.path, jnp.maximum(r.path_len - 1, 0)[:, None], axis=1)[:, 0]
     return state.replace(cache=cache, drafter=drafter, bonus=r.bonus, out=out, n_out=n_out, done=done,
-                         stats=stats, rounds=state.rounds + 1, key=key, history=_recorded(state, new_tokens, n_out))
+                         stats=stats, rounds=state.rounds + 1, key=key, history=_recorded(state, new_tokens, n_out),
+                         grammar=_advanced(state, r.states, r.bonus, jnp.maximum(last, 0)))
 
 
 # ---- the round -------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ which tree it hands them.
 * ``ar``:     no drafter; the tree is the root alone, so a round is one ordinary decode step;
 * ``dflash``: the DFlash drafter's argmax block as a single path (chain verification);
 * ``ddtree``: the best-first tree of the most probable prefixes under the drafter's marginals (``spec.nodes``
-  nodes; with ``spec.widths``, the auto policy verifies one of its best-first prefixes).
+  nodes; with ``spec.widths``, the auto policy verifies one of its best-first prefixes); under structured output
+  only prefixes the row's automaton allows (``kimi_jax.decoding.constrained``). The ``dflash`` chain stays the
+  drafter's argmax: a refused token there only ends the accepted path early.
 
 A method reads from the program's static ``Spec`` (block size, nodes, drafter config) and from the round's
 state (bonus token, committed lengths, drafter feature cache); it holds nothing itself.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kimi_jax.decoding import ddtree
+from kimi_jax.decoding import constrained, ddtree
 from kimi_jax.decoding import drafter as dflash
 
 
@@ -69,7 +71,12 @@ class DDTree(DFlash):
         return min(self.draft_len(spec), spec.nodes)
 
     def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
-        return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
+        g = state.grammar
+        if g is None:
+            return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
+        # structured output: only prefixes the row's automaton allows (depth 1 among its state's allowed tokens)
+        return ddtree.build_tree(state.bonus, draft_logits, spec.nodes, constrained.step(g.tables), g.state,
+                                 constrained.allowed(g.tables, g.state[:, None])[:, 0])
 
 
 BY_NAME = {"ar": AR(), "dflash": DFlash(), "ddtree": DDTree()}

@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -318,6 +319,7 @@ class GrammarCache:
         self.max_states, self.max_device_bytes, self.max_entries = max_states, max_device_bytes, max_entries
         self._entries: collections.OrderedDict[tuple[str, str], CompiledGrammar] = collections.OrderedDict()
         self._vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()      # the server's HTTP side compiles, its batcher thread reads
 
     def _vocabulary(self, tokenizer) -> tuple[str, outlines_core.Vocabulary]:
         if tokenizer not in self._vocabularies:
@@ -335,6 +337,10 @@ class GrammarCache:
         regex = response_format_regex(response_format, guided_regex)
         if regex is None:
             return None
+        with self._lock:
+            return self._get(regex, tokenizer)
+
+    def _get(self, regex: str, tokenizer) -> CompiledGrammar:
         fingerprint, vocabulary = self._vocabulary(tokenizer)
         key = (regex, fingerprint)
         if key not in self._entries:
