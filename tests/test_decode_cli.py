@@ -64,6 +64,21 @@ def test_default_run_json(decode):
 
 @needs_default
 @pytest.mark.slow
+def test_json_schema_and_processors(decode, tmp_path):
+    """--json-schema FILE: the printed reply validates against the schema (jsonschema); processors ride along."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "required": ["path", "size"], "additionalProperties": False,
+              "properties": {"path": {"type": "string", "maxLength": 12}, "size": {"enum": ["small", "large"]}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    res = decode("--prompt", "entry = ", "--json-schema", str(tmp_path / "schema.json"), "--max-new-tokens", "64",
+                 "--budget", "8", "--temperature", "1", "--top-p", "0.9", "--presence-penalty", "0.5", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    jsonschema.validate(json.loads(out["text"].replace("<|endoftext|>", "")), schema)
+
+
+@needs_default
+@pytest.mark.slow
 def test_stream_prints_text_then_stats(decode):
     res = decode("--prompt", "import os\n", "--max-new-tokens", "16", "--stream", "--method", "dflash")
     assert res.returncode == 0, res.stderr
@@ -122,7 +137,12 @@ def test_choose_platforms(tmp_path):
 @pytest.mark.parametrize("flags,words", [(["--budget", "-3"], ["budget", ">= 0"]), (["--budget", "wide"], ["--budget", "auto"]), (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
                                          (["--method", "beam"], ["invalid choice"]), (["--temperature", "x"], ["invalid float"]),
                                          (["--seed", "-1"], ["seed", "uint32", "got -1"]),
-                                         (["--seed", "4294967296"], ["seed", "[0, 4294967295]", "got 4294967296"])])
+                                         (["--seed", "4294967296"], ["seed", "[0, 4294967295]", "got 4294967296"]),
+                                         (["--top-p", "0"], ["top_p", "(0, 1]"]),
+                                         (["--logit-bias", "{5: 1}"], ["--logit-bias", "JSON"]),
+                                         (["--logit-bias", '{"x": 1}'], ["logit_bias", "token ids"]),
+                                         (["--json-schema", "/nonexistent.json"], ["--json-schema", "cannot read"]),
+                                         (["--json-object", "--regex", "a"], ["not allowed with"])])
 def test_bad_flag_values(flags, words, decode):
     one_line_error(decode(*flags), *words)
 

@@ -53,6 +53,20 @@ def _parse(argv):
                         "under costs calibrated on this machine, chosen every round) or a number of nodes")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("logits processors (kimi_jax.decoding.processors; ranges in kimi_jax.fields)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=None, help="keep the smallest set of tokens of this mass")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below this fraction of the top one")
+    g.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's: minus this for any repeat")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's: minus this per repeat")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="HF's: divide repeats' logits by this")
+    g.add_argument("--logit-bias", default=None, metavar="JSON",
+                   help='a JSON map of token id to bias in [-100, 100], e.g. \'{"42": -100}\'')
+    g = p.add_argument_group("structured output (kimi_jax.text.grammar); one of")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid against this JSON Schema file")
+    so.add_argument("--json-object", action="store_true", help="the reply is a JSON object")
+    so.add_argument("--regex", help="the reply matches this regular expression")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8 (across processes: over all of their devices)")
     p.add_argument("--stream", action="store_true", help="print text as each chunk of rounds is accepted")
@@ -63,10 +77,35 @@ def _parse(argv):
     args = p.parse_args(argv)
     cluster.check_arguments(p, args)
     args.budget = parse_budget(p, args.budget)
+    args.processing = _processing(p, args)
     # the API's own checks, before anything is loaded
     fields.check(max_new_tokens=args.max_new_tokens, method=args.method, budget=args.budget,
-                 temperature=args.temperature, seed=args.seed)
+                 temperature=args.temperature, seed=args.seed, **{k: v for k, v in args.processing.items()
+                                                                  if k in fields.PROCESSORS})
     return args
+
+
+def _processing(p: argparse.ArgumentParser, args) -> dict:
+    """The logits processors and structured output the flags ask for, as Model.generate takes them."""
+    values = {name: getattr(args, name) for name in fields.PROCESSORS if name != "logit_bias"
+              and getattr(args, name) is not None}
+    if args.logit_bias is not None:
+        try:
+            values["logit_bias"] = json.loads(args.logit_bias)
+        except json.JSONDecodeError as e:
+            p.error(f"--logit-bias must be a JSON object of token id to bias: {e}")
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            p.error(f"--json-schema: cannot read a JSON schema from {args.json_schema}: {e}")
+        values["response_format"] = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    elif args.json_object:
+        values["response_format"] = {"type": "json_object"}
+    elif args.regex is not None:
+        values["regex"] = args.regex
+    return values
 
 
 def _stats_line(stats) -> str:
@@ -138,7 +177,7 @@ def run(argv=None) -> int:
         raise fields.GenerationError(f"{args.checkpoint} has no tokenizer; use the Python API with ids")
     method = args.method or ("ddtree" if model.drafter is not None else "ar")
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, budget=args.budget,
-              temperature=args.temperature, seed=args.seed)
+              temperature=args.temperature, seed=args.seed, **args.processing)
     with cluster.quiet_unless_leader():     # every process runs the program; process 0 prints
         result = _generate(model, prompt, method, kw, args)
     if result is not None and cluster.leader():
