@@ -61,6 +61,8 @@ class Generation:
     tokens: list[list[int]]            # new tokens per batch row (stop token kept)
     text: list[str] | None             # decoded tokens when a tokenizer is loaded
     stats: dict                        # see Model.generate
+    # with logprobs=n: per row, per token (logprob, [(token, logprob)] of the n most likely), raw distribution
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None
 
 
 class Model:
@@ -170,10 +172,13 @@ class Model:
                      block_size=block_size)
         rows = self.encode(prompt)
         compiled = self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED})
+        logprobs = processing.pop("logprobs", None)
+        fields.check(logprobs=logprobs)
         processors.sampling(len(rows), self.config.vocab_size, **processing)      # checked before any compile
         spec = self.spec(method, budget, temperature, block_size, processors.requested(**processing))
         if compiled is not None:        # the automaton's padded shape is the program's (a few buckets serve all)
             spec = spec._replace(grammar=constrained.bucket(constrained.shape_of(compiled.tables)))
+        spec = spec._replace(logprobs=logprobs)
         longest = max(map(len, rows))
         context = self.config.max_position_embeddings
         if longest + spec.nodes + 2 > context:
@@ -202,7 +207,7 @@ class Model:
         if not spec.widths or not auto.drafter_off(self.cost_table(request)):
             return request
         ar = self.spec("ar", None, 1.0 if spec.sample else 0.0, process=spec.process)   # the same sampling, no drafter
-        ar = ar._replace(grammar=spec.grammar)
+        ar = ar._replace(grammar=spec.grammar, logprobs=spec.logprobs)
         return relaid(self.config, self.runtime, request, ar, drafter_off=True)
 
     def _check_cache_fits(self, rows: int, max_len: int, pool_pages: int = 0) -> None:
@@ -228,6 +233,7 @@ class Model:
         scalar or one value per row; a request prepared without them takes none)."""
         fields.check(temperature=temperature, seed=seed)
         grammar = self._grammar_tables(request, self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED}))
+        processing.pop("logprobs", None)             # static: the spec's (prepare)
         sampling = self._sampling(request, processing)
         if isinstance(costs, str):
             costs = self._costs_arg(request)
@@ -309,7 +315,8 @@ class Model:
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                  temperature: float = 0.0, seed: int = 0, block_size: int | None = None, *, top_k=None, top_p=None,
                  min_p=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                 logit_bias=None, response_format: dict | None = None, regex: str | None = None) -> Generation:
+                 logit_bias=None, response_format: dict | None = None, regex: str | None = None,
+                 logprobs: int | None = None) -> Generation:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
 
         The logits processors (``kimi_jax.decoding.processors``, in its order: logit_bias, repetition_penalty,
@@ -323,6 +330,10 @@ class Model:
         token automaton of it (``kimi_jax.decoding.constrained``; the DDTree keeps only prefixes it allows), and
         ends with a complete match unless max_new_tokens cuts it first.
 
+        ``logprobs=n`` (0-20): ``Generation.logprobs`` holds every new token's log-probability and the n most
+        likely tokens at its position, under the target's raw distribution (before the processors and the
+        grammar's mask, as vLLM reports by default).
+
         budget: ddtree's node budget, or "auto"/None (the default): each round picks a plain AR step or a tree
         width by expected tokens per second under costs calibrated on this backend (``cost_table``); where those
         costs say no tree can pay, the call runs the plain AR program instead (``resolve``).
@@ -334,7 +345,7 @@ class Model:
         ``resolve``) or "none" (method ar)."""
         processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                          logit_bias=logit_bias, response_format=response_format, regex=regex)
+                          logit_bias=logit_bias, response_format=response_format, regex=regex, logprobs=logprobs)
         compiled_before = self.programs.compile_s       # resolve may compile (calibrating the cost table)
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
                                             **processing))
@@ -343,13 +354,15 @@ class Model:
         inputs = self.inputs(request, temperature, seed, **processing)
         t0 = time.perf_counter()
         state, nan = program(inputs)
-        n_out, out, accepted, width, rounds = jax.device_get((state.n_out, state.out, state.stats.accepted,
-                                                              state.stats.width, state.rounds))
+        n_out, out, accepted, width, rounds, lp = jax.device_get((state.n_out, state.out, state.stats.accepted,
+                                                                  state.stats.width, state.rounds, state.logprobs))
         elapsed = time.perf_counter() - t0
         _check_finite(nan)
-        return self._result(request, out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1)
+        return self._result(request, out, n_out, accepted, width, int(rounds), elapsed, compile_s, dispatches=1,
+                            logprobs=lp)
 
-    def _result(self, request, out, n_out, accepted, width, rounds, elapsed, compile_s, dispatches) -> Generation:
+    def _result(self, request, out, n_out, accepted, width, rounds, elapsed, compile_s, dispatches,
+                logprobs=None) -> Generation:
         tokens = [out[i, :n_out[i]].tolist() for i in range(out.shape[0])]
         taus = [a[a > 0].tolist() for a in accepted]
         all_taus = [t for row in taus for t in row]
@@ -360,19 +373,20 @@ class Model:
                      tokens_per_s=new / elapsed if elapsed > 0 else float("inf"), compile_s=compile_s,
                      dispatches=dispatches, drafter=drafter)
         text = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
-        return Generation(tokens, text, stats)
+        return Generation(tokens, text, stats, None if logprobs is None else token_logprobs(logprobs, n_out))
 
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4, *, top_k=None, top_p=None, min_p=None, presence_penalty=None,
                frequency_penalty=None, repetition_penalty=None, logit_bias=None,
-               response_format: dict | None = None, regex: str | None = None) -> Iterator[list[list[int]] | Generation]:
+               response_format: dict | None = None, regex: str | None = None,
+               logprobs: int | None = None) -> Iterator[list[list[int]] | Generation]:
         """Yield, per dispatch, the new tokens of every row; the last item is the full Generation (its stats as
         ``generate``'s: seconds count this generator's dispatches and transfers, not compiling, calibrating, or
         the caller's time between items). The logits processors as ``generate``'s."""
         processing = dict(top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence_penalty,
                           frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                          logit_bias=logit_bias, response_format=response_format, regex=regex)
+                          logit_bias=logit_bias, response_format=response_format, regex=regex, logprobs=logprobs)
         compiled_before = self.programs.compile_s
         request = self.resolve(self.prepare(prompt, max_new_tokens, method, budget, temperature, block_size,
                                             **processing))
@@ -398,9 +412,18 @@ class Model:
             nan = nan | bad
             dispatches += 1
         _check_finite(nan)
-        accepted, width, rounds = jax.device_get((state.stats.accepted, state.stats.width, state.rounds))
+        accepted, width, rounds, lp = jax.device_get((state.stats.accepted, state.stats.width, state.rounds,
+                                                      state.logprobs))
         busy += time.perf_counter() - t0
-        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches)
+        yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches, lp)
+
+
+def token_logprobs(lp: engine.Logprobs, n_out, rows=None) -> list:
+    """Host-side per-token log-probabilities (``Generation.logprobs``) from a fetched ``engine.Logprobs``: per row
+    (``rows``: which, default all), per token up to n_out, (logprob, [(token, logprob)] of the top ones)."""
+    rows = range(len(n_out)) if rows is None else rows
+    return [[(float(lp.chosen[i, k]), [(int(t), float(v)) for t, v in zip(lp.top_ids[i, k], lp.top[i, k])])
+             for k in range(int(n_out[i]))] for i in rows]
 
 
 def device_memory_bytes() -> int | None:

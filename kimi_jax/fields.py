@@ -87,6 +87,9 @@ FIELDS = {f.name: f for f in (
     Field("logit_bias", f"a map of at most {LOGIT_BIAS_ENTRIES} token ids to numbers in [-{LOGIT_BIAS_MAX:g}, "
           f"{LOGIT_BIAS_MAX:g}]", _is_logit_bias, {}),
 )}
+LOGPROBS_MAX = 20              # OpenAI's top_logprobs limit
+FIELDS["logprobs"] = Field("logprobs", f"an integer in [0, {LOGPROBS_MAX}] (the alternatives per token)",
+                           lambda v: _is_int(v) and 0 <= v <= LOGPROBS_MAX, 0)
 PROCESSORS = ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 

@@ -59,6 +59,9 @@ class Spec(NamedTuple):
     # Structured output (kimi_jax.decoding.constrained): every row's token automaton padded to (states, classes),
     # Inputs.grammar's tables, State.grammar; None: unconstrained.
     grammar: tuple[int, int] | None = None
+    # Log-probabilities of every emitted token, and of the `logprobs` most likely tokens at its position, under
+    # the target's raw distribution (before the grammar mask and the processors: vLLM's default); None: off.
+    logprobs: int | None = None
 
     @property
     def steps(self):
@@ -104,6 +107,14 @@ class Inputs:
 
 
 @flax.struct.dataclass
+class Logprobs:
+    """Spec.logprobs: per emitted token (the same slots as State.out) its log-probability and the top ones."""
+    chosen: jax.Array             # [b, max_new] float32
+    top_ids: jax.Array            # [b, max_new, n] int32: the n most likely tokens at that position
+    top: jax.Array                # [b, max_new, n] float32: their log-probabilities
+
+
+@flax.struct.dataclass
 class Stats:
     """What a generation reports besides its tokens."""
     accepted: jax.Array           # [b, max_new] int32: path_len of each round (tau per round), 0 = no round
@@ -129,6 +140,7 @@ class State:
     sampling: processors.Sampling | None = None
     history: processors.History | None = None
     grammar: constrained.Grammar | None = None    # Spec.grammar: each row's automaton and its state
+    logprobs: Logprobs | None = None              # Spec.logprobs
 
 
 class Round(NamedTuple):
@@ -196,6 +208,31 @@ def _advanced(state: State, states, bonus, last):
     at = jnp.take_along_axis(states, last[:, None], axis=1)
     new = constrained.step(state.grammar.tables)(at, bonus[:, None])[:, 0]
     return state.grammar.replace(state=jnp.where(state.done, state.grammar.state, new))
+
+
+def _start_logprobs(spec: Spec, b: int, max_new: int):
+    if spec.logprobs is None:
+        return None
+    n = spec.logprobs
+    return Logprobs(chosen=jnp.zeros((b, max_new), jnp.float32), top_ids=jnp.zeros((b, max_new, n), jnp.int32),
+                    top=jnp.zeros((b, max_new, n), jnp.float32))
+
+
+def _recorded_logprobs(state: State, logits, new_tokens, n_out):
+    """State.logprobs with the tokens ``_emit`` just took (new_tokens [b, w] to n_out) recorded at their output
+    slots; ``logits`` [b, w, V]: the raw logits each of them was chosen from. None without Spec.logprobs."""
+    lp = state.logprobs
+    if lp is None:
+        return None
+    log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(log_p, new_tokens[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(log_p, lp.top.shape[-1])
+    b, w = new_tokens.shape
+    j = jnp.arange(w)[None, :]
+    dst = jnp.where(j < (n_out - state.n_out)[:, None], state.n_out[:, None] + j, lp.chosen.shape[1])
+    rows = jnp.arange(b)[:, None]
+    put = lambda a, v: a.at[rows, dst].set(v, mode="drop")  # noqa: E731
+    return Logprobs(chosen=put(lp.chosen, chosen), top_ids=put(lp.top_ids, top_ids), top=put(lp.top, top))
 
 
 def _check_logits(logits):
@@ -287,12 +324,14 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
                   key=key, temperature=jnp.asarray(inputs.temperature, jnp.float32),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
                   policy=auto.start(spec.widths, inputs.costs, b), sampling=inputs.sampling if spec.process else None,
-                  history=_start_history(inputs, spec), grammar=_start_grammar(inputs, spec, b))
+                  history=_start_history(inputs, spec), grammar=_start_grammar(inputs, spec, b),
+                  logprobs=_start_logprobs(spec, b, max_new))
     start_states = None if state.grammar is None else state.grammar.state[:, None]
     first = _choose(_allowed(last[:, None], state, start_states), spec, state, sub)   # [b, 1]: the prompt is
     out, n_out, done = _emit(state, first, jnp.ones((b,), jnp.int32), cfg.eos_token_ids)   # the whole history
     state = state.replace(bonus=first[:, 0], out=out, n_out=n_out, done=done, history=_recorded(state, first, n_out),
-                          grammar=_advanced(state, start_states, first[:, 0], jnp.zeros((b,), jnp.int32)))
+                          grammar=_advanced(state, start_states, first[:, 0], jnp.zeros((b,), jnp.int32)),
+                          logprobs=_recorded_logprobs(state, last[:, None], first, n_out))
     return state, _check_logits(last), rows
 
 
@@ -345,9 +384,13 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     stats = Stats(accepted=state.stats.accepted.at[:, i].set(jnp.where(state.done, 0, r.path_len)),
                   width=state.stats.width.at[i].set(width))
     last = jnp.take_along_axis(r.path, jnp.maximum(r.path_len - 1, 0)[:, None], axis=1)[:, 0]
+    # new token k was chosen at path node k (the root's choice first, the bonus at the last node's)
+    chosen_at = None if state.logprobs is None else jnp.take_along_axis(
+        r.fwd.logits, jnp.maximum(r.path, 0)[:, :, None], axis=1)
     return state.replace(cache=cache, drafter=drafter, bonus=r.bonus, out=out, n_out=n_out, done=done,
                          stats=stats, rounds=state.rounds + 1, key=key, history=_recorded(state, new_tokens, n_out),
-                         grammar=_advanced(state, r.states, r.bonus, jnp.maximum(last, 0)))
+                         grammar=_advanced(state, r.states, r.bonus, jnp.maximum(last, 0)),
+                         logprobs=_recorded_logprobs(state, chosen_at, new_tokens, n_out))
 
 
 # ---- the round -------------------------------------------------------------------------------------------
