@@ -373,7 +373,8 @@ class Model:
                      tokens_per_s=new / elapsed if elapsed > 0 else float("inf"), compile_s=compile_s,
                      dispatches=dispatches, drafter=drafter)
         text = [self.tokenizer.decode(t) for t in tokens] if self.tokenizer is not None else None
-        return Generation(tokens, text, stats, None if logprobs is None else token_logprobs(logprobs, n_out))
+        return Generation(tokens, text, stats, None if logprobs is None else
+                          token_logprobs(logprobs, [(i, 0, int(n)) for i, n in enumerate(n_out)]))
 
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
                temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
@@ -418,12 +419,11 @@ class Model:
         yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches, lp)
 
 
-def token_logprobs(lp: engine.Logprobs, n_out, rows=None) -> list:
-    """Host-side per-token log-probabilities (``Generation.logprobs``) from a fetched ``engine.Logprobs``: per row
-    (``rows``: which, default all), per token up to n_out, (logprob, [(token, logprob)] of the top ones)."""
-    rows = range(len(n_out)) if rows is None else rows
+def token_logprobs(lp: engine.Logprobs, spans) -> list:
+    """Host-side per-token log-probabilities from a fetched ``engine.Logprobs``: for each (row, start, end) of
+    ``spans``, per output slot in [start, end), (logprob, [(token, logprob)] of the top ones)."""
     return [[(float(lp.chosen[i, k]), [(int(t), float(v)) for t, v in zip(lp.top_ids[i, k], lp.top[i, k])])
-             for k in range(int(n_out[i]))] for i in rows]
+             for k in range(start, end)] for i, start, end in spans]
 
 
 def device_memory_bytes() -> int | None:

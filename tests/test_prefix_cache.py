@@ -71,13 +71,13 @@ def test_a_prefill_from_cached_pages_equals_the_whole_prompts_prefill(model, met
     b = Batcher(model, max_batch=1, max_new=8, max_len=128, method=method, budget=4 if method == "ddtree" else None)
     first = model.tokenizer.encode(SYSTEM + TAILS[0])
     ids = model.tokenizer.encode(SYSTEM + TAILS[1])
-    b._prefill(first, False, 1.0, 0)                        # stores the shared pages
-    hit, cached = b._prefill(ids, False, 1.0, 0)
+    b._prefill(first, (False, False), 1.0, 0)               # stores the shared pages
+    hit, cached = b._prefill(ids, (False, False), 1.0, 0)
     t = len(ids)
     assert cached >= 16 and cached % 16 == 0
     prompt = np.zeros((1, b.buckets[-1]), np.int32)
     prompt[0, :t] = ids
-    whole, _ = b._run_prefill(prompt, np.asarray([t], np.int32), False, 1.0, 0)
+    whole, _ = b._run_prefill(prompt, np.asarray([t], np.int32), (False, False), 1.0, 0)
     np.testing.assert_allclose(np.asarray(hit.cache.kv[:, 0, :t]), np.asarray(whole.cache.kv[:, 0, :t]),
                                rtol=1e-5, atol=1e-5)
     assert int(hit.cache.lengths[0]) == int(whole.cache.lengths[0]) == t

@@ -37,7 +37,7 @@ def test_servers_chunk_program_launches_rounds_as_generate_does():
     model = kimi_jax.load(os.path.join(ROOT, "checkpoints", "target"),
                           drafter=os.path.join(ROOT, "checkpoints", "drafter"))
     batcher = Batcher(model, max_batch=1, max_new=8, max_len=128, budget=8, prefix_pages=0)
-    served, served_inputs = batcher._program(False, 1)          # what the batcher's dispatches run
+    served, served_inputs = batcher._program((False, False), 1)  # what the batcher's greedy dispatches run
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
     assert served.spec == request.spec
 

@@ -190,6 +190,87 @@ def test_n_choices_each_run_as_a_row(server, reference):
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens <= 24
 
 
+def test_logits_processors_through_the_client(server, reference):
+    """Greedy with penalties and a logit bias (on the DDTree batch) returns what plain AR decodes with the same
+    processors alone; K2.6's recommended sampling (temperature 1, top_p 0.95) and top_k / min_p are served."""
+    model, _ = reference
+    client = server["client"]
+    prompt = "def area(r):\n    return"
+    ids = model.tokenizer.encode(prompt)
+    plain = model.generate([ids], 12, method="ar").tokens[0]
+    bias = {str(plain[0]): -100, str(plain[1]): 5}
+    processing = dict(presence_penalty=0.8, frequency_penalty=0.5, logit_bias=bias)
+    want = model.generate([ids], 12, method="ar", **processing).tokens[0]
+    assert want != plain                              # the processors change what greedy decodes
+    eos = set(model.config.eos_token_ids)
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=12, temperature=0,
+                                  presence_penalty=0.8, frequency_penalty=0.5, logit_bias=bias)
+    assert r.choices[0].text == model.tokenizer.decode([t for t in want if t not in eos])
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=12, temperature=1.0,
+                                  top_p=0.95, seed=3, extra_body={"top_k": 20, "min_p": 0.05,
+                                                                  "repetition_penalty": 1.1})
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+
+
+def test_response_format_through_the_client(server, reference):
+    """json_schema through the openai client, plain and streamed with n = 2: every reply validates (jsonschema);
+    greedy equals Model.generate's AR decoding under the same schema; a schema feature the automaton cannot
+    enforce is a 400 naming it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    model, _ = reference
+    client = server["client"]
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "kind"],
+              "properties": {"name": {"type": "string", "maxLength": 8}, "kind": {"enum": ["file", "dir"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "entry", "schema": schema, "strict": True}}
+    prompt = "# a directory entry\nentry = "
+    eos = set(model.config.eos_token_ids)
+    want = model.generate(prompt, MAX_NEW, method="ar", response_format=fmt).tokens[0]
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                  extra_body={"response_format": fmt})
+    assert r.choices[0].text == model.tokenizer.decode([t for t in want if t not in eos])
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    messages = [{"role": "user", "content": "one entry"}]
+    chunks = list(client.chat.completions.create(model=model.config.name, messages=messages, max_tokens=MAX_NEW,
+                                                 temperature=1.0, seed=2, n=2, stream=True, response_format=fmt))
+    for i in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        jsonschema.validate(json.loads(text), schema)
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 1}}}
+    r = httpx.post(server["url"] + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 4, "response_format": bad})
+    assert r.status_code == 400 and "minimum" in r.json()["error"]["message"], r.text
+
+
+def test_logprobs_through_the_client(server, reference):
+    """completions logprobs=2 (greedy, on the DDTree batch): each token's logprob and top 2 are Model.generate's,
+    the tokens spell the text; chat logprobs + top_logprobs=3, streamed: every content token has its 3."""
+    model, _ = reference
+    client = server["client"]
+    prompt = "while True:\n"
+    want = model.generate(prompt, 10, method="ar", logprobs=2)
+    r = client.completions.create(model=model.config.name, prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    eos = set(model.config.eos_token_ids)
+    kept = [entry for t, entry in zip(want.tokens[0], want.logprobs[0]) if t not in eos]
+    assert lp.token_logprobs == pytest.approx([c for c, _ in kept], abs=1e-4)
+    assert [len(top) for top in lp.top_logprobs] == [2] * len(kept)
+    chunks = list(client.chat.completions.create(model=model.config.name, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                                                 stream=True))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert content and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
+    stop_at = want.tokens[0][3]                          # the 4th greedy token ends the reply, left out of it
+    r = httpx.post(server["url"] + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 10, "temperature": 0, "stop_token_ids": [stop_at]})
+    first = want.tokens[0][:want.tokens[0].index(stop_at)]
+    assert r.json()["choices"][0] == {**r.json()["choices"][0], "text": model.tokenizer.decode(first),
+                                      "finish_reason": "stop"}, r.text
+    r = httpx.post(server["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
+
+
 def test_stop_string_ends_the_text_before_it(server, reference):
     model, alone = reference
     prompt = "def area(r):\n    return"
@@ -214,8 +295,8 @@ def test_disconnect_mid_stream_frees_the_slot(server, reference):
 
 BAD = [({"prompt": "x", "max_tokens": 4, "seed": -1}, "seed"),
        ({"prompt": "x", "max_tokens": 4, "seed": 2**32}, "uint32"),
-       ({"prompt": "x", "max_tokens": 4, "frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-       ({"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 1}}, "logit_bias"),
+       ({"prompt": "x", "max_tokens": 4, "best_of": 2}, "best_of is not supported"),
+       ({"prompt": "x", "max_tokens": 4, "echo": True}, "echo is not supported"),
        ({"prompt": "x", "max_tokens": 4, "colour": "red"}, "colour: unknown field"),
        ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "tool_calls: unknown field"),
@@ -227,6 +308,10 @@ BAD = [({"prompt": "x", "max_tokens": 4, "seed": -1}, "seed"),
        ({"prompt": "x", "max_tokens": MAX_NEW + 1}, "limit"),
        ({"prompt": "x", "max_tokens": 4, "n": SLOTS + 1}, "exceeds this server's 4 slots"),
        ({"prompt": "x", "max_tokens": 4, "n": 0}, "n:"),
+       ({"prompt": "x", "max_tokens": 4, "top_p": 1.5}, "top_p must be a finite number in (0, 1]"),
+       ({"prompt": "x", "max_tokens": 4, "logit_bias": {"abc": 1}}, "logit_bias must be"),
+       ({"prompt": "x", "max_tokens": 4, "logit_bias": {"99999": 1}}, "vocabulary"),
+       ({"prompt": "x", "max_tokens": 4, "presence_penalty": 3}, "presence_penalty must be"),
        ({"prompt": [99999], "max_tokens": 4}, "vocabulary"),
        ({"messages": [], "max_tokens": 4}, "messages"),
        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -290,7 +375,7 @@ def _fuzz_body(draw, name):
         "seed": pick([MISSING, None, 0, 123, 2**32 - 1], [-1, 2**32, 1.5, "3"]),
         "stop": pick([MISSING, None, "e", ["\n"], ["re", "x"]], [[""], ["a"] * 5, 3]),
         "n": pick([MISSING, None, 1, 2], [0, SLOTS + 1, 1.0]),
-        "top_p": pick([MISSING, 1, 1.0], [0.5]),
+        "top_p": pick([MISSING, 1, 1.0, 0.5], [0, 1.5, "0.9"]),
         "model": pick([MISSING, None, name], ["gpt-4"]),
         "stream": pick([MISSING, False, True], ["yes"]),
         "colour": pick([MISSING], ["red"]),

@@ -24,18 +24,22 @@ def model():
     return kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
 
 
-def test_regroup_moves_every_per_row_field_and_keeps_the_batch_fields(model):
-    """regroup(state, rows) == numpy's take of every per-row field along its batch axis, free slots done."""
-    state, _ = model.prefill(model.prepare(PROMPTS[:3], 8, "ddtree", 4))
+@pytest.mark.parametrize("extra", [{}, dict(top_p=0.9, presence_penalty=0.5, logprobs=2,
+                                             response_format={"type": "json_object"})])
+def test_regroup_moves_every_per_row_field_and_keeps_the_batch_fields(model, extra):
+    """regroup(state, rows) == numpy's take of every per-row field along its batch axis, free slots done; with
+    the processors, an automaton and logprobs too (each per-row leaf has the batch's 3 rows on its axis)."""
+    state, _ = model.prefill(model.prepare(PROMPTS[:3], 8, "ddtree", 4, **extra), **extra)
     rows = np.asarray([2, -1, 0, 1, -1], np.int32)
     moved = regroup(state, rows)
     for before, after, axis in zip(*(jax.tree.leaves(t) for t in (state, moved, row_axes(state)))):
         before, after = _raw(before), _raw(after)
+        assert axis < 0 or before.shape[axis] == 3, (before.shape, axis)
         if axis < 0:                                  # the batch's own: untouched
             np.testing.assert_array_equal(after, before)
             continue
         want = np.take(before, np.maximum(rows, 0), axis=axis)
-        if want.dtype == bool:                        # done: the free slots are done
+        if want.dtype == bool and want.shape == rows.shape:      # done: the free slots are done
             want = want | (rows < 0)
         np.testing.assert_array_equal(after, want)
     assert moved.drafter is not None and np.asarray(moved.done).tolist() == [False, True, False, False, True]

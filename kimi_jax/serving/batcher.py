@@ -27,9 +27,13 @@ the prompt's pages that an earlier prompt computed, copied from the store, and t
 the store. The request's ``cached`` says how many prompt tokens that served.
 
 What one batch shares, because it is one compiled program: the method and budget (the server's), greedy or
-sampling, the temperature and the random key. A request whose temperature differs from the running batch's
-waits until that batch drains (greedy requests batch with each other, sampling requests with the same
-temperature batch with each other); ``seed`` is honoured only by a sampling request that starts a batch.
+sampling, whether the logits processors run (``kimi_jax.decoding.processors``: any of top_k, top_p, min_p, the
+penalties or logit_bias off its default, or structured output: ``response_format`` / ``regex``, each row with its
+own automaton padded to the server's ``grammar_shape``; their values are each row's own), the temperature and
+the random key.
+A request whose group differs from the running batch's waits until that batch drains (greedy requests batch
+with each other, sampling requests with the same temperature batch with each other, each split by processors on
+or off); ``seed`` is honoured only by a sampling request that starts a batch.
 A request's ``max_tokens`` is its row's run-time limit (``engine.State.limit``): the row stops emitting there
 inside the dispatch. Every program (the batch's rounds, join, retire and regroup for every slot bucket, the
 prefill of each prompt-length bucket) comes from the model's program layer (``kimi_jax.decoding.programs``:
@@ -69,8 +73,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.api import Model
-from kimi_jax.decoding import engine
+from kimi_jax import fields
+from kimi_jax.api import STRUCTURED, Model, token_logprobs
+from kimi_jax.decoding import engine, processors
 from kimi_jax.decoding.engine import GenerationError, State
 from kimi_jax.decoding.programs import Request, bucket
 from kimi_jax.serving.peers import Peers
@@ -82,12 +87,14 @@ log = logging.getLogger("kimi_jax.serve")
 # ---- rows join and leave a running batch between dispatches -------------------------------------------------
 
 def row_axes(state: State):
-    """A State-shaped tree of ints: the batch axis of every per-row field, -1 for the batch's own fields (round
-    counter, key, temperature, width per round, the auto policy's memory)."""
-    axes = jax.tree.map(lambda _: -1, state)
-    return axes.replace(cache=axes.cache.replace(kv=1, lengths=0),
-                        drafter=jax.tree.map(lambda _: 1, state.drafter), bonus=0, out=0, n_out=0, limit=0, done=0,
-                        stats=axes.stats.replace(accepted=0))
+    """A State-shaped tree of ints: the batch axis of every field. Every field is a row's own, at axis 0 (the
+    logits processors' values and history, the automata, the logprobs, what a new field will be), except the
+    caches (batch at axis 1) and the batch's own fields (-1): round counter, key, temperature, width per round,
+    the auto policy's memory."""
+    axes = jax.tree.map(lambda _: 0, state)
+    return axes.replace(cache=axes.cache.replace(kv=1), drafter=jax.tree.map(lambda _: 1, state.drafter),
+                        rounds=-1, key=-1, temperature=-1, stats=axes.stats.replace(width=-1),
+                        policy=jax.tree.map(lambda _: -1, state.policy))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -146,6 +153,10 @@ class Job:
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     sent: int = 0
     cached: int = 0                           # prompt tokens the prefix cache served
+    # logits processors' values (fields.PROCESSORS) and structured output (api.STRUCTURED), as Model.generate's
+    processing: dict = dataclasses.field(default_factory=dict)
+    # with processing["logprobs"]: called before each emit with its tokens' (logprob, [(token, logprob)] top)
+    emit_logprobs: Callable[[list], None] | None = None
 
     def cancel(self):
         """Free the slot at the next dispatch (client gone, or a stop string was seen)."""
@@ -153,12 +164,26 @@ class Job:
 
     @property
     def group(self):
-        return _group(self.temperature)
+        return _group(self.temperature, self.processing)
 
 
-def _group(temperature: float) -> tuple[bool, float]:
-    """What requests share a batch (one compiled program, one temperature): (sampling, its temperature)."""
-    return temperature > 0, temperature if temperature > 0 else 0.0
+def _group(temperature: float, processing: dict) -> tuple[bool, float, bool]:
+    """What requests share a batch (one compiled program, one temperature): (sampling, its temperature,
+    processors or structured output on)."""
+    processed = processors.requested(**{k: v for k, v in processing.items() if k in fields.PROCESSORS}) or any(
+        processing.get(k) is not None for k in (*STRUCTURED, "logprobs"))
+    return temperature > 0, temperature if temperature > 0 else 0.0, processed
+
+
+def _kind(group) -> tuple[bool, bool]:
+    """A group's programs: (sampling, processors on)."""
+    return group[0], group[2]
+
+
+def _processing(values: dict) -> dict:
+    """A step's processor values back from JSON (logit_bias's token ids travel as strings)."""
+    bias = values.get("logit_bias")
+    return values if not bias else {**values, "logit_bias": {int(t): v for t, v in bias.items()}}
 
 
 @dataclasses.dataclass
@@ -178,7 +203,7 @@ class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
                  method: str | None = None, budget=None, rounds_per_dispatch: int | None = None,
                  dispatch_ms: float = 10.0, queue_size: int = 64, prefix_pages: int | None = None,
-                 page_size: int = 16, peers: Peers | None = None):
+                 page_size: int = 16, peers: Peers | None = None, grammar_shape: tuple[int, int] = (1024, 512)):
         if model.runtime.page_size:
             # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
             raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
@@ -189,8 +214,12 @@ class Batcher:
         self.max_batch, self.max_new = max_batch, max_new
         self.rounds, self.dispatch_s = rounds_per_dispatch, dispatch_ms / 1e3
         self._round_s = {}                  # slot bucket -> seconds per round, measured on its dispatches
-        self.specs = {s: model.spec(self.method, budget, 1.0 if s else 0.0) for s in (False, True)}
-        nodes = self.specs[False].nodes
+        # the processing kinds also carry every row's automaton (a row without one allows everything)
+        self.grammar_shape = grammar_shape
+        self.specs = {(s, p): model.spec(self.method, budget, 1.0 if s else 0.0, process=p)._replace(
+                      grammar=grammar_shape if p else None, logprobs=fields.LOGPROBS_MAX if p else None)
+                      for s in (False, True) for p in (False, True)}
+        nodes = self.specs[False, False].nodes
         self.max_len = max_len or model.config.max_position_embeddings
         self.max_prompt = self.max_len - max_new - nodes - 1
         if self.max_prompt < 1:
@@ -203,7 +232,7 @@ class Batcher:
         self.stats = Stats()
         if prefix_pages is None:            # as many tokens as the largest batch's caches hold
             prefix_pages = max_batch * self.max_len // page_size
-        self.prefix = (PrefixCache(model, prefix_pages, page_size, self.max_prompt, self.specs[False].steps.uses_drafter)
+        self.prefix = (PrefixCache(model, prefix_pages, page_size, self.max_prompt, self.specs[False, False].steps.uses_drafter)
                        if prefix_pages else None)
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * self.slot_buckets[0]     # one per slot of the batch state
@@ -228,6 +257,16 @@ class Batcher:
             raise GenerationError(f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt} "
                                   f"(cache of {self.max_len} minus max_new {self.max_new} and one tree)")
         self.model.encode(ids)                         # ids inside the vocabulary
+
+    def check_grammar(self, compiled) -> None:
+        """A structured-output automaton fits the programs' padded tables (``grammar_shape``)."""
+        if compiled is None:
+            return
+        (states, classes), (most_states, most_classes) = compiled.tables.next_state.shape, self.grammar_shape
+        if states > most_states or classes >= most_classes:
+            raise GenerationError(f"structured output: the automaton has {states} states x {classes} token classes; "
+                                  f"this server's programs hold {most_states} x {most_classes - 1} (simplify the "
+                                  "schema: fewer optional fields, shorter enums and bounds)")
 
     def submit(self, req: Job) -> None:
         with self._wake:
@@ -277,20 +316,21 @@ class Batcher:
 
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
-        """Compile every program the loop can run, for greedy and for sampling batches: each prompt bucket's
+        """Compile every program the loop can run, for greedy and for sampling batches, each with the logits
+        processors on and off: each prompt bucket's
         prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire,
         its growth from the bucket below and its compaction into every smaller one."""
         t0 = time.perf_counter()
-        for sample in (False, True):
+        for kind in self.specs:
             rows = []
             for t in self.buckets:
                 if self.prefix is not None:
                     self.prefix.clear()     # a miss: the bucket's whole prompt is prefilled, its pages stored
-                rows.append(self._prefill([1] * min(t, self.max_prompt), sample, 1.0, 0)[0])
+                rows.append(self._prefill([1] * min(t, self.max_prompt), kind, 1.0, 0)[0])
             below = None
             for slots in self.slot_buckets:
-                state = self._run(join, self._blank(sample, slots=slots), rows[0], np.int32(0))  # one row shape
-                state = self._dispatch(self._run(retire, state, np.ones(slots, bool)), sample)
+                state = self._run(join, self._blank(kind, slots=slots), rows[0], np.int32(0))  # one row shape
+                state = self._dispatch(self._run(retire, state, np.ones(slots, bool)), kind)
                 if below is not None:
                     self._run(regroup, below, _moved(below.done.shape[0], slots))
                 for smaller in self.slot_buckets[:self.slot_buckets.index(slots)]:
@@ -303,32 +343,32 @@ class Batcher:
         log(f"compiled the programs for {self.max_batch} slots (buckets {list(self.slot_buckets)}), prompts up to "
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
 
-    def _spec(self, sample):
-        """The spec every slot bucket of greedy or sampling batches runs. Under budget="auto" the drafter stays
+    def _spec(self, kind):
+        """The spec every slot bucket of a kind of batch (sampling, processors) runs. Under budget="auto" the drafter stays
         on only where the calibrated costs say some tree width can pay both for a lone request and for a full
         batch (``Model.resolve`` at the smallest and the largest bucket): one batch's rows move between buckets,
         so the state keeps the drafter's features in all of them or in none. Off, every bucket runs the plain AR
         program (no drafter prefill, no taps, no per-round plan)."""
-        if sample not in self._specs:
-            spec = self.specs[sample]
+        if kind not in self._specs:
+            spec = self.specs[kind]
             for slots in sorted({self.slot_buckets[0], self.slot_buckets[-1]}) if spec.widths else ():
                 resolved = self.model.resolve(self._request(spec, slots))
                 if resolved.drafter_off:
                     spec = resolved.spec
                     break
-            self._specs[sample] = spec
-        return self._specs[sample]
+            self._specs[kind] = spec
+        return self._specs[kind]
 
-    def _program(self, sample, slots: int = 1) -> tuple[Request, engine.Inputs]:
+    def _program(self, kind, slots: int = 1) -> tuple[Request, engine.Inputs]:
         """-> (the batch program's request, its inputs) for ``slots`` blank slots: the layout every state of the
         bucket has, and the weights and auto cost table its rounds run on (each bucket plans its rounds on its
         own calibrated table: a width that pays for one row may not for sixteen)."""
-        if (sample, slots) not in self._programs:
-            spec = self._spec(sample)
+        if (kind, slots) not in self._programs:
+            spec = self._spec(kind)
             request = self._request(spec, slots)
             table = np.asarray(self.model.cost_table(request), np.float32) if spec.widths else None
-            self._programs[sample, slots] = request, self.model.inputs(request, costs=table)
-        return self._programs[sample, slots]
+            self._programs[kind, slots] = request, self.model.inputs(request, costs=table)
+        return self._programs[kind, slots]
 
     def _request(self, spec, slots: int, prompt=None, lens=None, max_tokens: int | None = None) -> Request:
         """The batch's program layout (max_new, max_len) for ``slots`` rows of ``prompt`` (default: blank) that
@@ -340,14 +380,14 @@ class Batcher:
     @property
     def drafter_off(self) -> bool:
         """Whether the auto policy's calibration turned this server's drafter off (greedy batches)."""
-        return self.specs[False].widths != () and not self._spec(False).widths
+        return self.specs[False, False].widths != () and not self._spec((False, False)).widths
 
     @property
     def slots(self) -> int:
         """Slots of the running batch state: the slot bucket in use."""
         return len(self._slots)
 
-    def _prefill(self, ids, sample, temperature, seed, max_tokens: int | None = None):
+    def _prefill(self, ids, kind, temperature, seed, max_tokens: int | None = None, processing=None):
         """-> (the one-row state of prompt ``ids`` that stops after ``max_tokens``, its tokens the prefix cache
         served). With a prefix cache the prefill starts after the prompt's cached pages, and the prompt's new
         whole pages join the cache."""
@@ -357,34 +397,36 @@ class Batcher:
         t = next(b for b in self.buckets if b >= len(rest))
         prompt = np.zeros((1, t), np.int32)
         prompt[0, :len(rest)] = rest
-        state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), sample, temperature, seed, prefix,
-                                        max_tokens)
+        state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), kind, temperature, seed, prefix,
+                                        max_tokens, processing)
         if prefix is not None:
             self.prefix.keep(ids, prefix, state, rows)
         return state, cached
 
-    def _blank(self, sample, temperature=1.0, seed=0, slots: int | None = None):
+    def _blank(self, kind, temperature=1.0, seed=0, slots: int | None = None):
         """A batch state of ``slots`` (default: the smallest bucket) slots, every one free (done)."""
         slots = slots or self.slot_buckets[0]
-        state, _ = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), sample,
+        state, _ = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), kind,
                                      temperature, seed)
         return self._run(retire, state, np.ones(slots, bool))
 
-    def _run_prefill(self, prompt, lens, sample, temperature, seed, prefix=None, max_tokens=None):
+    def _run_prefill(self, prompt, lens, kind, temperature, seed, prefix=None, max_tokens=None, processing=None):
         """-> (the engine state after prefilling ``prompt`` with the batch's program layout (max_new, max_len),
-        the drafter's context rows of the prompt or None). With ``prefix`` the prompt continues cached pages."""
-        batch, batch_inputs = self._program(sample, len(lens))
+        the drafter's context rows of the prompt or None). With ``prefix`` the prompt continues cached pages;
+        ``processing``: the row's logits processors (a processing kind)."""
+        batch, batch_inputs = self._program(kind, len(lens))
         request = self._request(batch.spec, len(lens), prompt, lens, max_tokens)
-        inputs = self.model.inputs(request, temperature, seed, batch_inputs.costs).replace(prefix=prefix)
+        inputs = self.model.inputs(request, temperature, seed, batch_inputs.costs, **(processing or {}))
+        inputs = inputs.replace(prefix=prefix)
         program, _ = self.model.programs.prefill(request, inputs, rows=prefix is not None)
         if prefix is None:
             return program(inputs)[0], None
         state, _, rows = program(inputs)
         return state, rows
 
-    def _dispatch(self, state, sample, rounds: int = 1):
+    def _dispatch(self, state, kind, rounds: int = 1):
         """Up to ``rounds`` rounds of the batch in one dispatch: the chunk program ``Model.stream`` runs."""
-        request, inputs = self._program(sample, state.done.shape[0])
+        request, inputs = self._program(kind, state.done.shape[0])
         state, _ = self.model.programs.advance(request, inputs, state, rounds)
         return state
 
@@ -481,7 +523,7 @@ class Batcher:
                 # a new batch when none runs: the temperature and the key are the batch's (greedy ones are reused)
                 fresh = not self.active and (self._state is None or req.group[0] or req.group != self._group)
                 req.cached = self._do(["admit", slot, [int(t) for t in req.ids], req.temperature, req.seed,
-                                       req.max_tokens, self.slots if fresh else 0])
+                                       req.max_tokens, self.slots if fresh else 0, req.processing])
                 self._slots[slot] = req
             except Exception as e:         # this request alone: the batch state was not replaced
                 self._fail(req, "prefilling", e)
@@ -500,6 +542,8 @@ class Batcher:
         if self._state is None:
             return
         n_out, out, done = jax.device_get((self._state.n_out, self._state.out, self._state.done))
+        asked = [i for i, r in enumerate(self._slots) if r is not None and r.emit_logprobs is not None]
+        lp = jax.device_get(self._state.logprobs) if asked and self._state.logprobs is not None else None
         leaving = np.zeros(self.slots, bool)
         for i, req in enumerate(self._slots):
             if req is None:
@@ -507,6 +551,10 @@ class Batcher:
             try:
                 new = out[i, req.sent:min(n_out[i], req.max_tokens)].tolist()
                 if new:
+                    if lp is not None and req.emit_logprobs is not None:
+                        n = req.processing.get("logprobs", 0)
+                        req.emit_logprobs([(c, top[:n]) for c, top in
+                                           token_logprobs(lp, [(i, req.sent, req.sent + len(new))])[0]])
                     req.sent += len(new)
                     req.emit(new)
                 eos = bool(set(new) & set(self.model.config.eos_token_ids))
@@ -564,22 +612,24 @@ class Batcher:
         elif kind == "retire":
             self._state = self._run(retire, self._state, np.asarray(args[0], bool))
         elif kind == "rounds":
-            self._state = self._dispatch(self._state, self._group[0], args[0])
+            self._state = self._dispatch(self._state, _kind(self._group), args[0])
         elif kind == "drop":
             self._state = None
         else:
             raise ValueError(f"unknown step {kind!r}")
 
     def _admitted(self, slot: int, ids: list[int], temperature: float, seed: int, max_tokens: int,
-                  fresh_slots: int) -> int:
+                  fresh_slots: int, processing: dict) -> int:
         """Prompt ``ids`` prefilled into ``slot`` of the batch (of a new batch of ``fresh_slots`` slots if > 0,
-        which takes its temperature and seed); -> the prompt tokens the prefix cache served."""
-        sample, t = temperature > 0, max(temperature, 1e-6)
-        state, group = self._state, self._group
+        which takes its temperature and seed) with its logits processors; -> the prompt tokens the prefix cache
+        served."""
+        processing = _processing(processing)
+        group, t = _group(temperature, processing), max(temperature, 1e-6)
+        state = self._state
         if fresh_slots:
-            state, group = self._blank(sample, t, seed, fresh_slots), _group(temperature)
-        row, cached = self._prefill(ids, sample, t, seed, max_tokens)
-        self._state, self._group = self._run(join, state, row, np.int32(slot)), group
+            state = self._blank(_kind(group), t, seed, fresh_slots)
+        row, cached = self._prefill(ids, _kind(group), t, seed, max_tokens, processing)
+        self._state, self._group = self._run(join, state, row, np.int32(slot)), group if fresh_slots else self._group
         return cached
 
     def follow(self) -> None:

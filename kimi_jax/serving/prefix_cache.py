@@ -167,8 +167,10 @@ class PrefixCache:
         self.stats.hit_tokens += n
         pages = np.full((1, self.max_pages), self.capacity, np.int32)
         pages[0, :len(hit)] = hit
+        tokens = np.full((1, self.max_pages * self.page_size), -1, np.int32)     # the repetition penalty's prompt
+        tokens[0, :n] = ids[:n]
         # numpy: the length is read back on the host (the batcher, keep) without a device round trip
-        return self._store.replace(pages=pages, length=np.asarray([n], np.int32))
+        return self._store.replace(pages=pages, length=np.asarray([n], np.int32), tokens=tokens)
 
     def keep(self, ids, prefix: engine.Prefix, row: engine.State, rows) -> None:
         """Store the whole pages of prompt ``ids`` that its prefill (``row``, which started from ``prefix``;

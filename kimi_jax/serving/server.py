@@ -3,7 +3,11 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as server-sent
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Per request: ``max_tokens``
 (``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 is greedy), ``seed``, ``stop`` (strings),
-``stream``, ``stream_options.include_usage``, ``n`` (up to the server's slots: each choice is one batch row,
+``stream``, ``stream_options.include_usage``, vLLM's ``stop_token_ids`` (each ends the reply as eos does, left
+out of the text; the row runs on until the next dispatch retires it, its extra tokens dropped), the logits
+processors (``top_p``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``; vLLM's ``top_k``, ``min_p``, ``repetition_penalty``: their order and
+semantics in ``kimi_jax.decoding.processors``), ``n`` (up to the server's slots: each choice is one batch row,
 ``usage`` counts the prompt once and every choice's tokens, a stream interleaves the choices' events by
 ``index``, and one failing choice fails the request); the extension fields ``method`` and ``budget`` must name what the
 server was started with (one compiled program serves a batch). Chat requests also take ``tools``, ``tool_choice``,
@@ -46,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from kimi_jax import fields
+from kimi_jax.decoding import processors
 from kimi_jax.fields import GenerationError
 from kimi_jax.serving.access import SCOPE_KEY, AccessControl, AccessPolicy, Exchange, HeaderDeadline
 from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
@@ -58,10 +63,9 @@ from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
 # (`tools` and `tool_choice` are chat fields: here they only keep a completion request from asking for them.
 # `parallel_tool_calls: false` would need constrained decoding to hold.)
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "best_of": (1,), "top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
-    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "store": (False,),
+"modalities": (["text"],), "store": (False,),
     "service_tier": ("auto", "default"), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "parallel_tool_calls": (True,),
 }
@@ -87,12 +91,26 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
+    # the logits processors (kimi_jax.decoding.processors; ranges in kimi_jax.fields): OpenAI's, and vLLM's
+    # top_k, min_p and repetition_penalty where OpenAI has none
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured output (kimi_jax.text.grammar): OpenAI's response_format, and vLLM's guided_regex
+    response_format: dict | None = None
+    guided_regex: str | None = None
+    stop_token_ids: list[int] | None = None         # vLLM's: token ids that end the reply as eos does
     method: Literal["ar", "dflash", "ddtree"] | None = None
     budget: int | Literal["auto"] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=fields.LOGPROBS_MAX)    # the top alternatives per token
 
 
 class TextPart(BaseModel):
@@ -113,6 +131,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=fields.LOGPROBS_MAX)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
@@ -180,10 +200,15 @@ class _Generation:
         self.decoder = StreamDecoder(self.tok)
         self.text, self.sent_chars, self.tokens, self.finish_reason = "", 0, 0, None
         self.prompt_tokens = len(ids)
-        self.eos = set(app_state.batcher.model.config.eos_token_ids)
+        self.eos = set(app_state.batcher.model.config.eos_token_ids) | set(body.stop_token_ids or ())
         hop = lambda kind: lambda x: self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, x))  # noqa: E731
         self.job = Job(ids, max_tokens, body.temperature, body.seed or 0, emit=hop("tokens"), finish=hop("finish"),
-                       id=rid)
+                       id=rid, processing=_processing(body))
+        if "logprobs" in self.job.processing:
+            self.job.emit_logprobs = hop("logprobs")
+        self.pending: list = []         # logprobs of delivered tokens not yet accepted
+        self.lps: list = []             # (token, text offset, logprob, top) of every token that made text
+        self.lps_sent = 0
         self.t_last = None
 
     def fail(self, failed: Failed) -> None:
@@ -199,7 +224,8 @@ class _Generation:
             for _ in ids:
                 self.metrics.token_latency.observe((now - self.t_last) / len(ids))
         self.t_last = now
-        for t in ids:
+        entries, self.pending = self.pending[:len(ids)], self.pending[len(ids):]
+        for i, t in enumerate(ids):
             if self.finish_reason is not None:
                 return
             self.tokens += 1
@@ -207,12 +233,25 @@ class _Generation:
                 self.finish_reason = "stop"
                 self.job.cancel()
                 return
+            if i < len(entries):
+                self.lps.append((t, len(self.text), *entries[i]))
             self.text += self.decoder.push([t])
             hit = [self.text.find(s) for s in self.stops if s in self.text]
             if hit:
                 self.text = self.text[:min(hit)]
                 self.finish_reason = "stop"
                 self.job.cancel()
+
+    def take_logprobs(self) -> list | None:
+        """The logprobs of the tokens whose text was sent since the last call (None: not asked for); a token past a
+        stop string is dropped with its text."""
+        if self.job.emit_logprobs is None:
+            return None
+        upto = self.lps_sent
+        while upto < len(self.lps) and self.lps[upto][1] < self.sent_chars:
+            upto += 1
+        out, self.lps_sent = self.lps[self.lps_sent:upto], upto
+        return out
 
     def _ready_text(self, final: bool) -> str:
         """New text that can no longer turn into a stop string."""
@@ -226,6 +265,9 @@ class _Generation:
         that failed raises RequestFailed (after a stop string or eos it had already ended well)."""
         while True:
             kind, x = await self.queue.get()
+            if kind == "logprobs":
+                self.pending += x
+                continue
             if kind == "tokens":
                 self._accept(x)
                 if self.finish_reason is None:
@@ -315,6 +357,8 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             body.temperature = 1.0
         try:
             fields.check(temperature=body.temperature, seed=body.seed)
+            processors.sampling(1, batcher.model.config.vocab_size,
+                                **{k: v for k, v in _processing(body).items() if k in fields.PROCESSORS})
         except GenerationError as e:
             raise BadRequest(str(e), param=str(e).split()[0]) from None
         if body.method not in (None, batcher.method):
@@ -323,9 +367,14 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         if body.budget not in (None, batcher.budget if batcher.budget is not None else "auto"):
             raise BadRequest(f"budget {body.budget!r} is not served by this server (it runs "
                              f"{batcher.budget or 'auto'!r}; start it with --budget)", param="budget")
+        if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if (body.n or 1) > batcher.max_batch:
             raise BadRequest(f"n {body.n} exceeds this server's {batcher.max_batch} slots (the choices run side by "
                              "side; start it with a larger --max-batch)", param="n")
+        vocab = batcher.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()) or len(body.stop_token_ids or ()) > 64:
+            raise BadRequest(f"stop_token_ids takes up to 64 token ids in [0, {vocab})", param="stop_token_ids")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
@@ -335,6 +384,11 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         events interleave the choices by index. ``shape(i)`` builds choice i's response pieces."""
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         batcher.check(ids, max_tokens)
+        if body.response_format is not None or body.guided_regex is not None:
+            # compiled here, off the event loop (a json_object automaton takes seconds once), and cached for
+            # the batcher; a schema it cannot enforce is a 400 naming the feature
+            compiled = await asyncio.to_thread(batcher.model.grammar, body.response_format, body.guided_regex)
+            batcher.check_grammar(compiled)
         shapes = [shape(i) for i in range(body.n or 1)]
         rid = f"{shapes[0]['prefix']}-{uuid.uuid4().hex[:24]}"
         gens = [_Generation(app.state, rid, ids, body, max_tokens) for _ in shapes]
@@ -413,11 +467,14 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
 
     def completion_shape(i: int):
         """A completion's pieces for choice ``i``."""
+        tok = app.state.tokenizer
         return {
             "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
-            "choice": lambda text, reason: {"index": i, "text": text, "finish_reason": reason, "logprobs": None},
-            "deltas": lambda text, reason: [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}]
-            if text or reason else []}
+            "choice": lambda text, reason, lps=None: {"index": i, "text": text, "finish_reason": reason,
+                                                      "logprobs": _completion_logprobs(tok, lps)},
+            "deltas": lambda text, reason, lps=None: [{"index": i, "text": text, "finish_reason": reason,
+                                                       "logprobs": _completion_logprobs(tok, lps)}]
+            if text or reason or lps else []}
 
     def chat_shape(reply_of):
         """The chat response's pieces for choice i: its own reply (``reply_of()``, a fresh parser) turns text into
@@ -425,18 +482,20 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         def shape(i: int):
             reply = reply_of()
 
-            def choice(text, reason):
+            def choice(text, reason, lps=None):
                 reply.push(text)
                 reply.end()
                 return {"index": i, "message": reply.message(), "finish_reason": reply.finish_reason(reason),
-                        "logprobs": None}
+                        "logprobs": _chat_logprobs(app.state.tokenizer, lps)}
 
-            def deltas(text, reason):
+            def deltas(text, reason, lps=None):
                 out = [{"index": i, "delta": d, "finish_reason": None} for d in reply.push(text) + (
                     reply.end() if reason else [])]
+                if (reason or lps) and not out:
+                    out.append({"index": i, "delta": {}, "finish_reason": None})
+                if lps:
+                    out[0]["logprobs"] = _chat_logprobs(app.state.tokenizer, lps)
                 if reason:
-                    if not out:
-                        out.append({"index": i, "delta": {}, "finish_reason": None})
                     out[-1]["finish_reason"] = reply.finish_reason(reason)
                 return out
 
@@ -489,12 +548,27 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
     return app
 
 
+def _processing(body: _Common) -> dict:
+    """The logits processors and structured output the request set, as the engine takes them (logit_bias keys:
+    decimal strings)."""
+    values = {name: getattr(body, name) for name in fields.PROCESSORS if getattr(body, name) is not None}
+    if body.response_format is not None:
+        values["response_format"] = body.response_format
+    if body.guided_regex is not None:
+        values["regex"] = body.guided_regex
+    asked = getattr(body, "logprobs", None)     # completions: how many alternatives; chat: a bool + top_logprobs
+    count = asked if not isinstance(asked, bool) else (body.top_logprobs or 0) if asked else None
+    if count is not None:
+        values["logprobs"] = count
+    return values
+
+
 async def _whole(gen: _Generation, shape) -> dict:
     """Choice ``gen`` as one piece, once it ended."""
     text, reason = "", None
     async for delta, reason in gen.deltas():
         text += delta
-    return shape["choice"](text, reason)
+    return shape["choice"](text, reason, gen.take_logprobs())
 
 
 async def _interleaved(gens: list[_Generation], shapes):
@@ -504,7 +578,7 @@ async def _interleaved(gens: list[_Generation], shapes):
     async def pump(gen, shape):
         try:
             async for delta, reason in gen.deltas():
-                for choice in shape["deltas"](delta, reason):
+                for choice in shape["deltas"](delta, reason, gen.take_logprobs()):
                     await merged.put(choice)
         except RequestFailed as e:
             await merged.put(e)
@@ -525,6 +599,32 @@ async def _interleaved(gens: list[_Generation], shapes):
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _token_text(tok, token: int) -> tuple[str, list[int]]:
+    raw = tok.decode_bytes([token])
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _completion_logprobs(tok, lps) -> dict | None:
+    """OpenAI's completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset), or None."""
+    if lps is None:
+        return None
+    return {"tokens": [_token_text(tok, t)[0] for t, *_ in lps], "token_logprobs": [c for _, _, c, _ in lps],
+            "top_logprobs": [{_token_text(tok, t)[0]: v for t, v in top} for *_, top in lps],
+            "text_offset": [offset for _, offset, _, _ in lps]}
+
+
+def _chat_logprobs(tok, lps) -> dict | None:
+    """OpenAI's chat logprobs object ({"content": [{token, logprob, bytes, top_logprobs}]}), or None."""
+    if lps is None:
+        return None
+
+    def entry(token, logprob):
+        text, raw = _token_text(tok, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+    return {"content": [{**entry(t, c), "top_logprobs": [entry(a, v) for a, v in top]} for t, _, c, top in lps],
+            "refusal": None}
 
 
 def _usage(gens: list[_Generation]) -> dict:
