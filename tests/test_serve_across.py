@@ -1,9 +1,10 @@
 """`python -m kimi_jax.serve` over two processes (one CPU device each, one ep=2 mesh, real cross-process
 collectives): process 0 serves HTTP and sends every step of the batch to process 1 (``kimi_jax.serving.peers``).
 
-It returns exactly what one process decodes for 16 concurrent greedy requests (through 2 slots) (plain AR in this process as the
-reference), says how many processes it runs on, and stops both on SIGTERM with status 0. A follower killed mid-run
-makes process 0 answer the request in flight with a 503 and exit 1, within the heartbeat timeout.
+It returns exactly what one process decodes for 16 concurrent greedy requests through 2 slots (plain AR in this
+process as the reference), says how many processes it runs on, and stops both on SIGTERM with status 0. A
+follower killed mid-run makes process 0 answer the request in flight with a 503 and exit 1, within the heartbeat
+timeout.
 """
 
 import concurrent.futures

@@ -34,11 +34,12 @@ REPLY = "0123456789abcdef" * 4                        # 64 tokens of one byte ea
 
 class ScriptedBatcher:
     """What the HTTP layer uses of a Batcher (see the module docstring)."""
-    method, budget, max_batch, degraded, prefix = "ar", None, 4, None, None
+    method, budget, max_batch, degraded, prefix, lost, processes = "ar", None, 4, None, None, None, 1
     max_len, queue_size = MAX_LEN, 8
 
     def __init__(self, tok):
-        self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(eos_token_ids=tok.eos_ids))
+        self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(
+            eos_token_ids=tok.eos_ids, vocab_size=tok.vocab_size))
         self.stats = types.SimpleNamespace(mean_tau=0.0)
         self.active = self.queue_depth = 0
         self.draining = False

@@ -211,11 +211,12 @@ def test_tool_plan_refuses_what_a_non_k2_chat_format_cannot_say():
 class ScriptedBatcher:
     """What the HTTP layer uses of a Batcher; each submitted job gets the next script, as tokens, a few per
     delivery, then <|im_end|> (eos) unless max_tokens cuts it first."""
-    method, budget, max_batch, degraded, prefix = "ar", None, 4, None, None
+    method, budget, max_batch, degraded, prefix, lost, processes = "ar", None, 4, None, None, None, 1
     max_len, queue_size = 1024, 8
 
     def __init__(self, tok):
-        self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(eos_token_ids=tok.eos_ids))
+        self.model = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(
+            eos_token_ids=tok.eos_ids, vocab_size=tok.vocab_size))
         self.stats = types.SimpleNamespace(mean_tau=0.0)
         self.scripts, self.prompts = collections.deque(), []
         self.active = self.queue_depth = 0

@@ -232,8 +232,8 @@ class Batcher:
         self.stats = Stats()
         if prefix_pages is None:            # as many tokens as the largest batch's caches hold
             prefix_pages = max_batch * self.max_len // page_size
-        self.prefix = (PrefixCache(model, prefix_pages, page_size, self.max_prompt, self.specs[False, False].steps.uses_drafter)
-                       if prefix_pages else None)
+        drafts = self.specs[False, False].steps.uses_drafter
+        self.prefix = PrefixCache(model, prefix_pages, page_size, self.max_prompt, drafts) if prefix_pages else None
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * self.slot_buckets[0]     # one per slot of the batch state
         self._wake = threading.Condition()
@@ -344,11 +344,11 @@ class Batcher:
             f"{self.max_prompt} tokens, {self.method}{off} in {time.perf_counter() - t0:.1f}s")
 
     def _spec(self, kind):
-        """The spec every slot bucket of a kind of batch (sampling, processors) runs. Under budget="auto" the drafter stays
-        on only where the calibrated costs say some tree width can pay both for a lone request and for a full
-        batch (``Model.resolve`` at the smallest and the largest bucket): one batch's rows move between buckets,
-        so the state keeps the drafter's features in all of them or in none. Off, every bucket runs the plain AR
-        program (no drafter prefill, no taps, no per-round plan)."""
+        """The spec every slot bucket of a kind of batch (sampling, processors) runs. Under budget="auto" the
+        drafter stays on only where the calibrated costs say some tree width can pay both for a lone request and
+        for a full batch (``Model.resolve`` at the smallest and the largest bucket): one batch's rows move between
+        buckets, so the state keeps the drafter's features in all of them or in none. Off, every bucket runs the
+        plain AR program (no drafter prefill, no taps, no per-round plan)."""
         if kind not in self._specs:
             spec = self.specs[kind]
             for slots in sorted({self.slot_buckets[0], self.slot_buckets[-1]}) if spec.widths else ():
