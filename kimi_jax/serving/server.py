@@ -17,12 +17,13 @@ tool messages and ``chat_template_kwargs.thinking``; with K2's chat format the r
 Every field is checked before the request is queued (pydantic in strict mode, then ``kimi_jax.fields`` for the
 ranges the engine accepts, then the server's limits), so nothing a request says can fail inside the batch.
 OpenAI fields this server does not implement are accepted only at the value that asks for nothing
-(``NOT_IMPLEMENTED``), fields OpenAI does not define are refused: never silently ignored. Errors use OpenAI's
-body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 404 for an unknown model or
-URL, 405 for a wrong method, 429 for a full queue, 503 while shutting down, 500 (with the request id the log
-names) when a request fails inside the server; a stream that fails after its first event ends with one
-``data: {"error": ...}`` event instead. In front of the app, ``kimi_jax.serving.access`` answers 401 (API key),
-413 (body size), 408 (a slow client) and 429 (the key's requests in flight), and writes the audit line.
+(``openai_format.NOT_IMPLEMENTED``; the request and response shapes live there), fields OpenAI does not define
+are refused: never silently ignored. Errors use OpenAI's body ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a bad request, 404 for an unknown model or URL, 405 for a wrong method, 429 for a full queue,
+503 while shutting down, 500 (with the request id the log names) when a request fails inside the server; a
+stream that fails after its first event ends with one ``data: {"error": ...}`` event instead. In front of the
+app, ``kimi_jax.serving.access`` answers 401 (API key), 413 (body size), 408 (a slow client) and 429 (the key's
+requests in flight), and writes the audit line.
 
 Text is decoded incrementally (whole UTF-8 characters only); a stop string ends the request and is not
 returned, and text that could still become a stop string is held back until it cannot. Token counts in
@@ -34,19 +35,17 @@ returned, and text that could still become a stop string is held back until it c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import re
 import signal
 import time
 import uuid
-from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from kimi_jax import fields
@@ -54,88 +53,11 @@ from kimi_jax.decoding import processors
 from kimi_jax.fields import GenerationError
 from kimi_jax.serving.access import SCOPE_KEY, AccessControl, AccessPolicy, Exchange, HeaderDeadline
 from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
-from kimi_jax.serving.tools import (ChatTemplateKwargs, InvalidToolRequest, MessageToolCall, Tool, ToolChoice,
-                                    ToolPlan, check_messages, has_reply_format)
+from kimi_jax.serving.openai_format import (IDENTIFYING, NOT_IMPLEMENTED, UNION_BRANCH, ChatRequest, Common,
+                                            CompletionRequest, chat_shape, completion_shape, failure_body,
+                                            processing, sse, usage)
+from kimi_jax.serving.tools import InvalidToolRequest, ToolPlan, check_messages, has_reply_format
 from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
-
-# OpenAI request fields this server does not implement, with the values that ask for nothing (besides null):
-# any other value is a 400 that names the field. Fields that only identify the caller are accepted as they are.
-# (`tools` and `tool_choice` are chat fields: here they only keep a completion request from asking for them.
-# `parallel_tool_calls: false` would need constrained decoding to hold.)
-NOT_IMPLEMENTED: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-"modalities": (["text"],), "store": (False,),
-    "service_tier": ("auto", "default"), "audio": (), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (), "parallel_tool_calls": (True,),
-}
-IDENTIFYING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
-# pydantic names the member of a union that failed in an error's location (str, list[str], literal[...], a model's
-# class name); the field path a client sees leaves them out. Field names are snake_case, so none matches.
-_UNION_BRANCH = re.compile(r"str|int|float|bool|none|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*")
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)    # extras are checked against NOT_IMPLEMENTED
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)     # null: OpenAI's default, 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
-    # the logits processors (kimi_jax.decoding.processors; ranges in kimi_jax.fields): OpenAI's, and vLLM's
-    # top_k, min_p and repetition_penalty where OpenAI has none
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    # structured output (kimi_jax.text.grammar): OpenAI's response_format, and vLLM's guided_regex
-    response_format: dict | None = None
-    guided_regex: str | None = None
-    stop_token_ids: list[int] | None = None         # vLLM's: token ids that end the reply as eos does
-    method: Literal["ar", "dflash", "ddtree"] | None = None
-    budget: int | Literal["auto"] | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=fields.LOGPROBS_MAX)    # the top alternatives per token
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None        # assistant only (tools.check_messages)
-    tool_call_id: str | None = None                        # tool only, and required there
-    reasoning_content: str | None = None                   # assistant only; not rendered (K2 drops old thoughts)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=fields.LOGPROBS_MAX)
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class BadRequest(ValueError):
@@ -191,7 +113,7 @@ class RequestFailed(Exception):
 class _Generation:
     """One request's path from the batcher thread to the client: tokens in, text out, stop strings, usage."""
 
-    def __init__(self, app_state, rid: str, ids: list[int], body: _Common, max_tokens: int):
+    def __init__(self, app_state, rid: str, ids: list[int], body: Common, max_tokens: int):
         self.tok = app_state.tokenizer
         self.metrics: Metrics = app_state.metrics
         self.loop = asyncio.get_running_loop()
@@ -203,7 +125,7 @@ class _Generation:
         self.eos = set(app_state.batcher.model.config.eos_token_ids) | set(body.stop_token_ids or ())
         hop = lambda kind: lambda x: self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, x))  # noqa: E731
         self.job = Job(ids, max_tokens, body.temperature, body.seed or 0, emit=hop("tokens"), finish=hop("finish"),
-                       id=rid, processing=_processing(body))
+                       id=rid, processing=processing(body))
         if "logprobs" in self.job.processing:
             self.job.emit_logprobs = hop("logprobs")
         self.pending: list = []         # logprobs of delivered tokens not yet accepted
@@ -303,7 +225,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})")
         loc = [str(x) for x in first.get("loc", ())[1:]]
         unknown = first.get("type") == "extra_forbidden"        # then the last part is the unknown field's name
-        loc = [x for i, x in enumerate(loc) if not _UNION_BRANCH.fullmatch(x) or unknown and i == len(loc) - 1]
+        loc = [x for i, x in enumerate(loc) if not UNION_BRANCH.fullmatch(x) or unknown and i == len(loc) - 1]
         where = ".".join(loc) or None
         if unknown:
             return _error(400, f"{where}: unknown field", param=where)
@@ -340,7 +262,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    def _check(body: _Common):
+    def _check(body: Common):
         if body.model not in (None, model_name):
             raise BadRequest(f"model {body.model!r} does not exist here; GET /v1/models lists {model_name!r}",
                              404, "model_not_found", "model")
@@ -358,7 +280,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         try:
             fields.check(temperature=body.temperature, seed=body.seed)
             processors.sampling(1, batcher.model.config.vocab_size,
-                                **{k: v for k, v in _processing(body).items() if k in fields.PROCESSORS})
+                                **{k: v for k, v in processing(body).items() if k in fields.PROCESSORS})
         except GenerationError as e:
             raise BadRequest(str(e), param=str(e).split()[0]) from None
         if body.method not in (None, batcher.method):
@@ -379,7 +301,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
 
-    async def _run(body: _Common, ids: list[int], endpoint: str, shape, exchange: Exchange):
+    async def _run(body: Common, ids: list[int], endpoint: str, shape, exchange: Exchange):
         """Generate ``body.n`` choices of ``ids`` (one batch row each) and answer: one body, or a stream whose
         events interleave the choices by index. ``shape(i)`` builds choice i's response pieces."""
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
@@ -418,23 +340,23 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             finally:
                 done()
             metrics.requests.labels(endpoint, "200").inc()
-            return {**head, "object": shapes[0]["object"], "choices": choices, "usage": _usage(gens)}
+            return {**head, "object": shapes[0]["object"], "choices": choices, "usage": usage(gens)}
 
         async def events():
             status = "499"                      # unless it ends below: the client went away
             try:
                 for s in shapes:
                     if "first" in s:
-                        yield _sse({**head, "choices": [s["first"]]})
+                        yield sse({**head, "choices": [s["first"]]})
                 async for choice in _interleaved(gens, shapes):
-                    yield _sse({**head, "choices": [choice]})
+                    yield sse({**head, "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(gens)})
+                    yield sse({**head, "choices": [], "usage": usage(gens)})
                 yield "data: [DONE]\n\n"
                 status = "200"
             except RequestFailed as e:
                 status = str(e.failed.status)
-                yield _sse(_failure_body(e.failed, rid))
+                yield sse(failure_body(e.failed, rid))
             finally:
                 done()
                 metrics.requests.labels(endpoint, status).inc()
@@ -444,7 +366,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
 
     def _failure(failed: Failed, rid: str, endpoint: str):
         metrics.requests.labels(endpoint, str(failed.status)).inc()
-        return JSONResponse(_failure_body(failed, rid), failed.status, headers={"x-request-id": rid})
+        return JSONResponse(failure_body(failed, rid), failed.status, headers={"x-request-id": rid})
 
     async def _guarded(endpoint: str, work):
         try:
@@ -465,44 +387,6 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             metrics.requests.labels(endpoint, "503").inc()
             return _error(503, str(e), code="shutting_down")
 
-    def completion_shape(i: int):
-        """A completion's pieces for choice ``i``."""
-        tok = app.state.tokenizer
-        return {
-            "prefix": "cmpl", "object": "text_completion", "chunk": "text_completion",
-            "choice": lambda text, reason, lps=None: {"index": i, "text": text, "finish_reason": reason,
-                                                      "logprobs": _completion_logprobs(tok, lps)},
-            "deltas": lambda text, reason, lps=None: [{"index": i, "text": text, "finish_reason": reason,
-                                                       "logprobs": _completion_logprobs(tok, lps)}]
-            if text or reason or lps else []}
-
-    def chat_shape(reply_of):
-        """The chat response's pieces for choice i: its own reply (``reply_of()``, a fresh parser) turns text into
-        message fields and deltas."""
-        def shape(i: int):
-            reply = reply_of()
-
-            def choice(text, reason, lps=None):
-                reply.push(text)
-                reply.end()
-                return {"index": i, "message": reply.message(), "finish_reason": reply.finish_reason(reason),
-                        "logprobs": _chat_logprobs(app.state.tokenizer, lps)}
-
-            def deltas(text, reason, lps=None):
-                out = [{"index": i, "delta": d, "finish_reason": None} for d in reply.push(text) + (
-                    reply.end() if reason else [])]
-                if (reason or lps) and not out:
-                    out.append({"index": i, "delta": {}, "finish_reason": None})
-                if lps:
-                    out[0]["logprobs"] = _chat_logprobs(app.state.tokenizer, lps)
-                if reason:
-                    out[-1]["finish_reason"] = reply.finish_reason(reason)
-                return out
-
-            return {"prefix": "chatcmpl", "object": "chat.completion", "chunk": "chat.completion.chunk",
-                    "first": {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
-                    "choice": choice, "deltas": deltas}
-        return shape
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -522,7 +406,8 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
                 ids = list(prompt)
             if not ids:
                 raise BadRequest("empty prompt", param="prompt")
-            return await _run(body, ids, "/v1/completions", completion_shape, request.scope[SCOPE_KEY])
+            shape = functools.partial(completion_shape, app.state.tokenizer)
+            return await _run(body, ids, "/v1/completions", shape, request.scope[SCOPE_KEY])
         return await _guarded("/v1/completions", work)
 
     @app.post("/v1/chat/completions")
@@ -537,7 +422,7 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             plan = ToolPlan(body.tools, body.tool_choice, thinking, has_reply_format(tok))
             prompt = plan.prompt(tok, [m.model_dump(exclude_none=True) for m in body.messages])
             return await _run(body, tok.encode(prompt), "/v1/chat/completions",
-                              chat_shape(lambda: plan.reply(prompt)), request.scope[SCOPE_KEY])
+                              chat_shape(tok, lambda: plan.reply(prompt)), request.scope[SCOPE_KEY])
         return await _guarded("/v1/chat/completions", work)
 
     def end_open_requests():
@@ -546,21 +431,6 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
     app.state.end_open_requests = end_open_requests
     app.add_middleware(AccessControl, policy=policy, metrics=metrics, routes={r.path for r in app.routes})
     return app
-
-
-def _processing(body: _Common) -> dict:
-    """The logits processors and structured output the request set, as the engine takes them (logit_bias keys:
-    decimal strings)."""
-    values = {name: getattr(body, name) for name in fields.PROCESSORS if getattr(body, name) is not None}
-    if body.response_format is not None:
-        values["response_format"] = body.response_format
-    if body.guided_regex is not None:
-        values["regex"] = body.guided_regex
-    asked = getattr(body, "logprobs", None)     # completions: how many alternatives; chat: a bool + top_logprobs
-    count = asked if not isinstance(asked, bool) else (body.top_logprobs or 0) if asked else None
-    if count is not None:
-        values["logprobs"] = count
-    return values
 
 
 async def _whole(gen: _Generation, shape) -> dict:
@@ -599,49 +469,6 @@ async def _interleaved(gens: list[_Generation], shapes):
     finally:
         for t in tasks:
             t.cancel()
-
-
-def _token_text(tok, token: int) -> tuple[str, list[int]]:
-    raw = tok.decode_bytes([token])
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _completion_logprobs(tok, lps) -> dict | None:
-    """OpenAI's completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset), or None."""
-    if lps is None:
-        return None
-    return {"tokens": [_token_text(tok, t)[0] for t, *_ in lps], "token_logprobs": [c for _, _, c, _ in lps],
-            "top_logprobs": [{_token_text(tok, t)[0]: v for t, v in top} for *_, top in lps],
-            "text_offset": [offset for _, offset, _, _ in lps]}
-
-
-def _chat_logprobs(tok, lps) -> dict | None:
-    """OpenAI's chat logprobs object ({"content": [{token, logprob, bytes, top_logprobs}]}), or None."""
-    if lps is None:
-        return None
-
-    def entry(token, logprob):
-        text, raw = _token_text(tok, token)
-        return {"token": text, "logprob": logprob, "bytes": raw}
-    return {"content": [{**entry(t, c), "top_logprobs": [entry(a, v) for a, v in top]} for t, _, c, top in lps],
-            "refusal": None}
-
-
-def _usage(gens: list[_Generation]) -> dict:
-    """One prompt, every choice's tokens (OpenAI counts n choices' completions together)."""
-    prompt, tokens = gens[0].prompt_tokens, sum(g.tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens,
-            "prompt_tokens_details": {"cached_tokens": gens[0].job.cached}}
-
-
-def _failure_body(failed: Failed, rid: str) -> dict:
-    code = "shutting_down" if failed.status == 503 else "internal_error"
-    return {"error": {"message": f"{failed.message} (request {rid})", "type": "server_error", "param": None,
-                      "code": code}}
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 class _Server(uvicorn.Server):
