@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimi_jax.text import grammar
 from kimi_jax.text.grammar import GrammarTables
 
 
@@ -73,18 +74,12 @@ def stack(rows: list[GrammarTables]) -> GrammarTables:
 
 def step(tables: GrammarTables):
     """``(states [b, n], tokens [b, n]) -> states``: each row advanced by its own automaton (-1 stays -1)."""
-    def one(tc, ns, states, tokens):
-        nxt = ns[jnp.maximum(states, 0), tc[tokens]]
-        return jnp.where(states >= 0, nxt, -1)
-    return lambda states, tokens: jax.vmap(one)(tables.token_class, tables.next_state, states, tokens)
+    return lambda states, tokens: jax.vmap(grammar.advance)(tables, states, tokens)
 
 
 def allowed(tables: GrammarTables, states) -> jax.Array:
     """bool [b, n, V]: the tokens each row's states allow (a dead state allows none)."""
-    def one(tc, ns, s):
-        rows = ns[jnp.maximum(s, 0)] >= 0                         # [n, C]
-        return jnp.take(rows, tc, axis=-1) & (s >= 0)[:, None]
-    return jax.vmap(one)(tables.token_class, tables.next_state, states)
+    return jax.vmap(grammar.allowed)(tables, states)
 
 
 def mask(logits, tables: GrammarTables, states) -> jax.Array:
