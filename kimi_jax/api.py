@@ -53,7 +53,8 @@ from kimi_jax.weights.drafter import load_drafter
 
 
 # structured output's fields (``Model.grammar``), taken with the logits processors' by prepare and inputs
-STRUCTURED = ("response_format", "regex")
+# (``reply_regex``: a whole chat reply with K2's markers, what the server makes of strict tools)
+STRUCTURED = ("response_format", "regex", "reply_regex")
 
 
 @dataclasses.dataclass
@@ -233,7 +234,9 @@ class Model:
         scalar or one value per row; a request prepared without them takes none)."""
         fields.check(temperature=temperature, seed=seed)
         grammar = self._grammar_tables(request, self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED}))
-        processing.pop("logprobs", None)             # static: the spec's (prepare)
+        if (logprobs := processing.pop("logprobs", None)) not in (None, request.spec.logprobs):
+            raise GenerationError(f"logprobs={logprobs} is static (the program's): prepare the request with it "
+                                  f"(it was prepared with {request.spec.logprobs})")
         sampling = self._sampling(request, processing)
         if isinstance(costs, str):
             costs = self._costs_arg(request)
@@ -246,15 +249,16 @@ class Model:
             max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop),
             sampling=sampling, grammar=grammar)
 
-    def grammar(self, response_format: dict | None = None, regex: str | None = None):
+    def grammar(self, response_format: dict | None = None, regex: str | None = None, reply_regex: str | None = None):
         """The compiled automaton of a structured-output request (``kimi_jax.text.grammar``: a JSON schema,
-        ``json_object`` or a regex), or None; compiled once per format and tokenizer (``self.grammars``).
-        GenerationError for a schema feature it cannot enforce (named) or an automaton past its size limits."""
-        if response_format is None and regex is None:
+        ``json_object``, a regex, or a chat reply's regex with K2's markers: ``serving.tools``), or None; compiled
+        once per format and tokenizer (``self.grammars``). GenerationError for a schema feature it cannot
+        enforce (named) or an automaton past its size limits."""
+        if response_format is None and regex is None and reply_regex is None:
             return None
         if self.tokenizer is None:
             raise GenerationError("structured output needs the model's tokenizer (its tokens' bytes)")
-        return self.grammars.get(self.tokenizer, response_format, regex)
+        return self.grammars.get(self.tokenizer, response_format, regex, reply_regex)
 
     def _grammar_tables(self, request: Request, compiled):
         """Every row's automaton padded to the request's ``Spec.grammar`` (None without it)."""

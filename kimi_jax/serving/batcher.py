@@ -180,12 +180,6 @@ def _kind(group) -> tuple[bool, bool]:
     return group[0], group[2]
 
 
-def _processing(values: dict) -> dict:
-    """A step's processor values back from JSON (logit_bias's token ids travel as strings)."""
-    bias = values.get("logit_bias")
-    return values if not bias else {**values, "logit_bias": {int(t): v for t, v in bias.items()}}
-
-
 @dataclasses.dataclass
 class Stats:
     """Counters the metrics endpoint reads (written by the batcher thread only)."""
@@ -623,7 +617,6 @@ class Batcher:
         """Prompt ``ids`` prefilled into ``slot`` of the batch (of a new batch of ``fresh_slots`` slots if > 0,
         which takes its temperature and seed) with its logits processors; -> the prompt tokens the prefix cache
         served."""
-        processing = _processing(processing)
         group, t = _group(temperature, processing), max(temperature, 1e-6)
         state = self._state
         if fresh_slots:

@@ -97,14 +97,20 @@ class ChatRequest(Common):
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
-def processing(body: Common) -> dict:
+def structured(body: Common, reply_regex: str | None = None) -> dict:
+    """The request's structured output as ``Model.grammar`` takes it: a chat reply's regex (strict tools:
+    ``tools.ToolPlan.reply_regex``, which holds the response format), else the response format and regex."""
+    if reply_regex is not None:
+        return {"reply_regex": reply_regex}
+    given = {"response_format": body.response_format, "regex": body.guided_regex}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def processing(body: Common, reply_regex: str | None = None) -> dict:
     """The logits processors and structured output the request set, as the engine takes them (logit_bias keys:
     decimal strings)."""
     values = {name: getattr(body, name) for name in fields.PROCESSORS if getattr(body, name) is not None}
-    if body.response_format is not None:
-        values["response_format"] = body.response_format
-    if body.guided_regex is not None:
-        values["regex"] = body.guided_regex
+    values.update(structured(body, reply_regex))
     asked = getattr(body, "logprobs", None)     # completions: how many alternatives; chat: a bool + top_logprobs
     count = asked if not isinstance(asked, bool) else (body.top_logprobs or 0) if asked else None
     if count is not None:

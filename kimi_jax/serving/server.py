@@ -55,8 +55,9 @@ from kimi_jax.serving.access import SCOPE_KEY, AccessControl, AccessPolicy, Exch
 from kimi_jax.serving.batcher import Batcher, Draining, Failed, Job, QueueFull
 from kimi_jax.serving.openai_format import (IDENTIFYING, NOT_IMPLEMENTED, UNION_BRANCH, ChatRequest, Common,
                                             CompletionRequest, chat_shape, completion_shape, failure_body,
-                                            processing, sse, usage)
+                                            processing, sse, structured, usage)
 from kimi_jax.serving.tools import InvalidToolRequest, ToolPlan, check_messages, has_reply_format
+from kimi_jax.text.grammar import response_format_regex
 from kimi_jax.text.tokenizer import NoChatTemplateError, StreamDecoder
 
 
@@ -113,7 +114,8 @@ class RequestFailed(Exception):
 class _Generation:
     """One request's path from the batcher thread to the client: tokens in, text out, stop strings, usage."""
 
-    def __init__(self, app_state, rid: str, ids: list[int], body: Common, max_tokens: int):
+    def __init__(self, app_state, rid: str, ids: list[int], body: Common, max_tokens: int,
+                 reply_regex: str | None = None):
         self.tok = app_state.tokenizer
         self.metrics: Metrics = app_state.metrics
         self.loop = asyncio.get_running_loop()
@@ -125,7 +127,7 @@ class _Generation:
         self.eos = set(app_state.batcher.model.config.eos_token_ids) | set(body.stop_token_ids or ())
         hop = lambda kind: lambda x: self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, x))  # noqa: E731
         self.job = Job(ids, max_tokens, body.temperature, body.seed or 0, emit=hop("tokens"), finish=hop("finish"),
-                       id=rid, processing=processing(body))
+                       id=rid, processing=processing(body, reply_regex))
         if "logprobs" in self.job.processing:
             self.job.emit_logprobs = hop("logprobs")
         self.pending: list = []         # logprobs of delivered tokens not yet accepted
@@ -301,19 +303,20 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop takes up to 4 non-empty strings", param="stop")
 
-    async def _run(body: Common, ids: list[int], endpoint: str, shape, exchange: Exchange):
+    async def _run(body: Common, ids: list[int], endpoint: str, shape, exchange: Exchange,
+                   reply_regex: str | None = None):
         """Generate ``body.n`` choices of ``ids`` (one batch row each) and answer: one body, or a stream whose
-        events interleave the choices by index. ``shape(i)`` builds choice i's response pieces."""
+        events interleave the choices by index. ``shape(i)`` builds choice i's response pieces; ``reply_regex``:
+        the whole reply's grammar (strict tools), in place of the response format."""
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         batcher.check(ids, max_tokens)
-        if body.response_format is not None or body.guided_regex is not None:
+        if asked := structured(body, reply_regex):
             # compiled here, off the event loop (a json_object automaton takes seconds once), and cached for
             # the batcher; a schema it cannot enforce is a 400 naming the feature
-            compiled = await asyncio.to_thread(batcher.model.grammar, body.response_format, body.guided_regex)
-            batcher.check_grammar(compiled)
+            batcher.check_grammar(await asyncio.to_thread(batcher.model.grammar, **asked))
         shapes = [shape(i) for i in range(body.n or 1)]
         rid = f"{shapes[0]['prefix']}-{uuid.uuid4().hex[:24]}"
-        gens = [_Generation(app.state, rid, ids, body, max_tokens) for _ in shapes]
+        gens = [_Generation(app.state, rid, ids, body, max_tokens, reply_regex) for _ in shapes]
         try:
             for gen in gens:
                 batcher.submit(gen.job)
@@ -421,8 +424,11 @@ def create_app(batcher: Batcher, model_name: str, policy: AccessPolicy | None = 
             thinking = body.chat_template_kwargs.thinking if body.chat_template_kwargs else None
             plan = ToolPlan(body.tools, body.tool_choice, thinking, has_reply_format(tok))
             prompt = plan.prompt(tok, [m.model_dump(exclude_none=True) for m in body.messages])
+            # strict tools: the whole reply is one grammar (the response format its content part)
+            reply_regex = plan.reply_regex(response_format_regex(body.response_format, body.guided_regex)) \
+                if plan.strict else None
             return await _run(body, tok.encode(prompt), "/v1/chat/completions",
-                              chat_shape(tok, lambda: plan.reply(prompt)), request.scope[SCOPE_KEY])
+                              chat_shape(tok, lambda: plan.reply(prompt)), request.scope[SCOPE_KEY], reply_regex)
         return await _guarded("/v1/chat/completions", work)
 
     def end_open_requests():

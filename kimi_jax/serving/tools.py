@@ -3,13 +3,20 @@
 (parsed by ``kimi_jax.text.reply_format``) becomes ``content``, ``reasoning_content`` and ``tool_calls``, whole
 or as stream deltas.
 
-Steering without constrained decoding: nothing here restricts which tokens the model may sample, so
-``tool_choice`` acts through the prompt alone. ``"auto"`` declares the tools; ``"none"`` does not declare them
+``tool_choice`` acts through the prompt. ``"auto"`` declares the tools; ``"none"`` does not declare them
 (and a tool-call section in the reply is then plain content); ``"required"`` declares them and pre-fills the
 reply with ``<|tool_calls_section_begin|><|tool_call_begin|>`` (both special tokens, so the model picks the
 name from a clean token boundary); a named function also pre-fills ``functions.NAME:`` (the model writes the
 call's index and the arguments). A pre-filled reply starts with a tool call, so it cannot start with reasoning:
 ``thinking: true`` with a forced call is a 400, and with ``thinking`` unset or false the thought is skipped.
+
+A tool with ``"strict": true`` constrains decoding: the whole reply is compiled to one token automaton
+(``ToolPlan.reply_regex``; K2's markers are special tokens, written into the regex as control characters that
+only those tokens spell, ``grammar.MARKER_CHARS``) and generated under it inside the DDTree round like any
+response format: a forced call's arguments match its tool's ``parameters`` schema; under "auto" the reply is an
+optional thought, then text (or, with a ``response_format``, that format's content) or a call section whose strict
+calls match their schemas. A non-strict tool's arguments stay free text (without markers), and call indices have
+at most 3 digits.
 
 A call the reply makes that is not well formed (arguments not one JSON object, a header not
 ``functions.NAME:IDX``, or a function the request did not declare) is still returned, with its raw arguments
@@ -18,11 +25,19 @@ and a per-call field ``invalid`` saying why; in a stream that field comes in a l
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kimi_jax.text.reply_format import CALL, MARKERS, NAME, SECTION, Event, ReplyParser
+from kimi_jax.text.grammar import MARKER_CHARS, schema_regex
+from kimi_jax.text.reply_format import (ARGUMENTS, CALL, END_CALL, END_SECTION, END_THINK, MARKERS, NAME, SECTION,
+                                        THINK, Event, ReplyParser)
+
+
+# A strict reply's call index (K2 numbers the calls of a conversation from 0): bounded, so that a constrained reply
+# cannot spend its tokens on digits.
+CALL_INDEX = "[0-9]{1,3}"
 
 
 class InvalidToolRequest(ValueError):
@@ -108,11 +123,6 @@ class ToolPlan:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise InvalidToolRequest(f"tools: the function name {dup!r} is declared twice", "tools")
-        for i, t in enumerate(tools):
-            if t.function.strict:
-                raise InvalidToolRequest(f"tools.{i}.function.strict: strict schemas need constrained decoding, "
-                                         "which this server does not do (only false or null)",
-                                         f"tools.{i}.function.strict")
         choice = tool_choice or ("auto" if tools else "none")
         if choice != "none" and not tools:
             raise InvalidToolRequest(f"tool_choice {_show(choice)} needs tools", "tool_choice")
@@ -135,6 +145,40 @@ class ToolPlan:
             if isinstance(choice, NamedToolChoice):
                 self.prefill += f"functions.{choice.function.name}:"
         self.k2_format = k2_format
+        self.choice = choice
+
+    @property
+    def strict(self) -> bool:
+        """Whether a declared tool asks for ``strict`` arguments: then the whole reply is constrained
+        (``reply_regex``)."""
+        return any(t.function.strict for t in self.declared.values())
+
+    def reply_regex(self, content: str | None = None) -> str:
+        """The regex of every reply this request may get, K2's markers written as ``grammar.MARKER_CHARS``: a
+        forced call is the rest of its call section; "auto" is an optional thought, then any text and an optional
+        call section, or with ``content`` (the response format's regex) that content or a call section. A strict tool's arguments match its
+        ``parameters`` schema, another's are any text."""
+        m = MARKER_CHARS
+        text = f"[^\\x00-{_escape(max(m.values()))}]*"        # any text without a marker
+        calls = []
+        for name, tool in self.declared.items():
+            params = tool.function.parameters or {"type": "object", "properties": {}}
+            where = f"tools function {name!r} parameters"
+            args = schema_regex(params, where) if tool.function.strict else text
+            header = f"{re.escape(name)}:{CALL_INDEX}{_escape(m[ARGUMENTS])}"
+            calls.append((name, f"{header}(?:{args}){_escape(m[END_CALL])}"))
+        one = "(?:" + "|".join(f"functions\\.{body}" for _, body in calls) + ")"
+        more = f"(?:{_escape(m[CALL])}{one})*{_escape(m[END_SECTION])}"
+        if isinstance(self.choice, NamedToolChoice):      # the pre-fill wrote "functions.NAME:"
+            body = dict(calls)[self.choice.function.name]
+            return body.removeprefix(re.escape(self.choice.function.name) + ":") + _escape(m[END_SECTION])
+        if self.choice == "required":
+            return one + more
+        thought = f"(?:{_escape(m[THINK])}{text}{_escape(m[END_THINK])})?" if self.thinking is not False else ""
+        section = f"{_escape(m[SECTION])}{_escape(m[CALL])}{one}{more}"
+        if content is None:
+            return f"{thought}{text}(?:{section})?"
+        return f"{thought}(?:(?:{content})|{section})"          # the format's content, or calls
 
     def prompt(self, tokenizer, messages: list[dict]) -> str:
         """The chat prompt: the declared tools, the thinking switch, then the forced call's pre-fill."""
@@ -232,3 +276,8 @@ def _merge(a: dict, b: dict) -> None:
 
 def _show(choice) -> str:
     return f'"{choice}"' if isinstance(choice, str) else f"for function {choice.function.name!r}"
+
+
+def _escape(char: str) -> str:
+    """A marker character as a regex escape."""
+    return f"\\x{ord(char):02x}"

@@ -39,11 +39,13 @@ import outlines_core
 from outlines_core import json_schema
 
 from kimi_jax.fields import GenerationError
+from kimi_jax.text.reply_format import MARKERS
 
 __all__ = [
     "GrammarTables", "CompiledGrammar", "GrammarCache", "INITIAL_STATE", "DEAD_STATE", "JSON_OBJECT_DEPTH",
     "WHITESPACE", "json_object_regex", "response_format_regex", "unsupported_schema_keywords",
-    "outlines_vocabulary", "automaton_tables", "largest_repeat_count", "compile_grammar", "allowed", "advance", "is_final",
+    "MARKER_CHARS", "schema_regex", "outlines_vocabulary", "automaton_tables", "largest_repeat_count",
+    "compile_grammar", "allowed", "advance", "is_final",
 ]
 
 INITIAL_STATE = 0
@@ -138,17 +140,19 @@ def unsupported_schema_keywords(schema: Any, path: str = "#") -> list[str]:
     return found
 
 
-def _schema_regex(schema: Any) -> str:
+def schema_regex(schema: Any, where: str = "response_format json_schema.schema") -> str:
+    """The regex of a JSON schema (``where`` names it in errors)."""
     if not isinstance(schema, (dict, bool)):
-        raise GenerationError(f"response_format json_schema.schema must be a JSON object, got {type(schema).__name__}")
+        raise GenerationError(f"{where} must be a JSON object, got {type(schema).__name__}")
     bad = unsupported_schema_keywords(schema)
     if bad:
-        raise GenerationError(f"structured output does not support these JSON-schema keywords (outlines-core would "
-                              f"ignore them and could break the schema): {', '.join(bad)}")
+        raise GenerationError(f"{where}: structured output does not support these JSON-schema keywords "
+                              f"(outlines-core would ignore them and could break the schema): {', '.join(bad)}")
     try:
         return json_schema.build_regex_from_schema(json.dumps(schema), whitespace_pattern=WHITESPACE)
     except ValueError as e:   # outlines-core's refusals: "Unsupported JSON Schema structure {...}", "Format ...", ...
-        raise GenerationError(f"structured output does not support this JSON schema: {str(e).splitlines()[0]}") from e
+        raise GenerationError(f"{where}: structured output does not support this JSON schema: "
+                              f"{str(e).splitlines()[0]}") from e
 
 
 def response_format_regex(response_format: dict | None = None, guided_regex: str | None = None) -> str | None:
@@ -175,7 +179,7 @@ def response_format_regex(response_format: dict | None = None, guided_regex: str
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise GenerationError('response_format json_schema needs {"json_schema": {"schema": {...}}}')
-        return _schema_regex(spec["schema"])
+        return schema_regex(spec["schema"])
     raise GenerationError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -197,12 +201,29 @@ def end_marked(regex: str) -> str:
     return f"(?:{core}){END_MARK}"
 
 
-def outlines_vocabulary(tokenizer) -> outlines_core.Vocabulary:
+# A reply regex (``reply_regex``: a whole chat reply, tool calls included) names K2's reply markers, which are
+# special tokens, as these control characters; its vocabulary maps each marker's token to its character and leaves
+# out the ranks whose bytes hold one, so a marker can only be the special token itself (JSON never holds a raw
+# control character, and K2's call headers are names and digits).
+MARKER_CHARS = {marker: chr(1 + i) for i, marker in enumerate(MARKERS)}
+_MARKER_BYTES = frozenset(ord(c) for c in MARKER_CHARS.values())
+
+
+def outlines_vocabulary(tokenizer, markers: bool = False) -> outlines_core.Vocabulary:
     """outlines-core's view of a kimi_jax tokenizer: every rank's bytes; the first eos id stands for all of them
-    (:func:`automaton_tables` gives the others its transitions). Other special tokens are never allowed."""
+    (:func:`automaton_tables` gives the others its transitions). Other special tokens are never allowed, but for
+    ``markers=True``: K2's reply markers as ``MARKER_CHARS`` (and no rank holding one of those bytes)."""
     ids_by_bytes: dict[bytes, list[int]] = {}
     for token_id in range(tokenizer.num_ranks):
-        ids_by_bytes.setdefault(tokenizer.decode_bytes([token_id]), []).append(token_id)
+        token = tokenizer.decode_bytes([token_id])
+        if not (markers and _MARKER_BYTES.intersection(token)):
+            ids_by_bytes.setdefault(token, []).append(token_id)
+    if markers:
+        missing = [m for m in MARKERS if m not in tokenizer.special_tokens]
+        if missing:
+            raise GenerationError(f"this tokenizer has no K2 reply markers {missing}: no strict tool calls")
+        for marker, char in MARKER_CHARS.items():
+            ids_by_bytes[char.encode()] = [tokenizer.special_tokens[marker]]
     if b"\x00" not in ids_by_bytes:
         raise ValueError(f"{tokenizer!r} has no single-byte NUL token, which the end mark needs (byte-level BPE has)")
     return outlines_core.Vocabulary(tokenizer.eos_ids[0], ids_by_bytes)
@@ -285,7 +306,8 @@ def largest_repeat_count(regex: str) -> int:
 
 
 def compile_grammar(regex: str, tokenizer, vocabulary: outlines_core.Vocabulary | None = None, *,
-                    max_states: int | None = None, max_device_bytes: int | None = None) -> CompiledGrammar:
+                    max_states: int | None = None, max_device_bytes: int | None = None,
+                    markers: bool = False) -> CompiledGrammar:
     """The automaton of ``regex`` over ``tokenizer``; GenerationError past a limit or for a regex outlines-core
     cannot compile. Counted repetitions are checked against ``max_states`` first: outlines-core would spend
     minutes on a ``maxLength`` of 10,000 before the states could be counted."""
@@ -293,7 +315,7 @@ def compile_grammar(regex: str, tokenizer, vocabulary: outlines_core.Vocabulary 
         raise GenerationError(f"structured output: a repetition count of {largest_repeat_count(regex)} (maxLength, "
                               f"maxItems or a pattern) needs more automaton states than the limit of {max_states}")
     start = time.perf_counter()
-    vocabulary = vocabulary or outlines_vocabulary(tokenizer)
+    vocabulary = vocabulary or outlines_vocabulary(tokenizer, markers)
     try:
         index = outlines_core.Index(end_marked(regex), vocabulary)
     except (ValueError, RuntimeError) as e:
@@ -321,31 +343,37 @@ class GrammarCache:
         self._vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()      # the server's HTTP side compiles, its batcher thread reads
 
-    def _vocabulary(self, tokenizer) -> tuple[str, outlines_core.Vocabulary]:
-        if tokenizer not in self._vocabularies:
+    def _vocabulary(self, tokenizer, markers: bool) -> tuple[str, outlines_core.Vocabulary]:
+        if markers not in self._vocabularies.setdefault(tokenizer, {}):
             # The tokenizer's identity is its contents: two loads of one checkpoint share the compiled automata.
-            digest = hashlib.sha256(repr((tokenizer.vocab_size, tokenizer.eos_ids)).encode())
+            digest = hashlib.sha256(repr((tokenizer.vocab_size, tokenizer.eos_ids, markers)).encode())
             for token_id in range(tokenizer.num_ranks):
                 token = tokenizer.decode_bytes([token_id])
                 digest.update(len(token).to_bytes(4, "little") + token)
-            self._vocabularies[tokenizer] = (digest.hexdigest(), outlines_vocabulary(tokenizer))
-        return self._vocabularies[tokenizer]
+            if markers:
+                digest.update(repr(sorted(tokenizer.special_tokens.items())).encode())
+            self._vocabularies[tokenizer][markers] = (digest.hexdigest(), outlines_vocabulary(tokenizer, markers))
+        return self._vocabularies[tokenizer][markers]
 
-    def get(self, tokenizer, response_format: dict | None = None,
-            guided_regex: str | None = None) -> CompiledGrammar | None:
-        """The automaton a request asks for (None: unconstrained), compiled on first use."""
-        regex = response_format_regex(response_format, guided_regex)
+    def get(self, tokenizer, response_format: dict | None = None, guided_regex: str | None = None,
+            reply_regex: str | None = None) -> CompiledGrammar | None:
+        """The automaton a request asks for (None: unconstrained), compiled on first use. ``reply_regex``: a
+        whole chat reply with K2's markers as ``MARKER_CHARS`` (``kimi_jax.serving.tools``: strict tool calls),
+        instead of the other two."""
+        if reply_regex is not None and (response_format is not None or guided_regex is not None):
+            raise GenerationError("a reply regex holds the reply's format itself: give it alone")
+        regex = reply_regex or response_format_regex(response_format, guided_regex)
         if regex is None:
             return None
         with self._lock:
-            return self._get(regex, tokenizer)
+            return self._get(regex, tokenizer, reply_regex is not None)
 
-    def _get(self, regex: str, tokenizer) -> CompiledGrammar:
-        fingerprint, vocabulary = self._vocabulary(tokenizer)
+    def _get(self, regex: str, tokenizer, markers: bool = False) -> CompiledGrammar:
+        fingerprint, vocabulary = self._vocabulary(tokenizer, markers)
         key = (regex, fingerprint)
         if key not in self._entries:
             self._entries[key] = compile_grammar(regex, tokenizer, vocabulary, max_states=self.max_states,
-                                                 max_device_bytes=self.max_device_bytes)
+                                                 max_device_bytes=self.max_device_bytes, markers=markers)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)
