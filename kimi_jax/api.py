@@ -162,16 +162,16 @@ class Model:
                            rt=self.runtime, process=process)
 
     def prepare(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
-                temperature: float = 0.0, block_size: int | None = None, **processing) -> Request:
+                temperature: float | list = 0.0, block_size: int | None = None, **processing) -> Request:
         """Validate a request and lay it out for the engine's programs (what ``generate`` runs on; also the way
         in for code that drives the engine itself: ``prefill``, ``program``). ``processing``: the logits
         processors (``fields.PROCESSORS``, as ``generate`` takes them); any value off its default turns them on
         in the spec (``Spec.process``), and ``inputs`` then needs the same values; so does structured output
         (``response_format``, ``regex``: ``Spec.grammar``)."""
         method = method or ("ddtree" if self.drafter is not None else "ar")
-        fields.check(max_new_tokens=max_new_tokens, method=method, budget=budget, temperature=temperature,
-                     block_size=block_size)
+        fields.check(max_new_tokens=max_new_tokens, method=method, budget=budget, block_size=block_size)
         rows = self.encode(prompt)
+        temperature = float(_temperatures(temperature, len(rows)).max())      # the spec samples if any row does
         compiled = self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED})
         logprobs = processing.pop("logprobs", None)
         fields.check(logprobs=logprobs)
@@ -225,14 +225,15 @@ class Model:
             raise GenerationError(f"a cache of {max_len} positions for {rows} rows needs {need / 2**30:.2f} GiB but "
                                   f"the device has {free / 2**30:.2f} GiB free; shorten the request or use a mesh")
 
-    def inputs(self, request: Request, temperature: float = 0.0, seed: int = 0, costs="calibrated",
+    def inputs(self, request: Request, temperature: float | list = 0.0, seed: int = 0, costs="calibrated",
                force: int = -1, max_rounds: int | None = None, **processing) -> engine.Inputs:
         """The run-time inputs of the request's programs as one pytree (``engine.Inputs``): compute params,
         drafter params, prompt, lengths, temperature, seed; for auto requests the cost table ("calibrated":
         ``cost_table``, measured on first use; or a [2, len(widths)] array), a forced width index (-1: the policy
         chooses) and a round limit (None: until done); the logits processors' values (``processing``, each a
         scalar or one value per row; a request prepared without them takes none)."""
-        fields.check(temperature=temperature, seed=seed)
+        fields.check(seed=seed)
+        temperature = _temperatures(temperature, request.prompt.shape[0])
         grammar = self._grammar_tables(request, self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED}))
         if (logprobs := processing.pop("logprobs", None)) not in (None, request.spec.logprobs):
             raise GenerationError(f"logprobs={logprobs} is static (the program's): prepare the request with it "
@@ -244,7 +245,7 @@ class Model:
         return engine.Inputs(
             params=self.compute_params, drafter_params=self.drafter_params,
             prompt=np.asarray(request.prompt, np.int32), lens=np.asarray(request.lens, np.int32),
-            temperature=np.float32(max(temperature, 1e-6)), seed=np.uint32(seed),
+            temperature=np.maximum(temperature, 1e-6).astype(np.float32), seed=np.uint32(seed),
             costs=None if costs is None else np.asarray(costs, np.float32), force=np.int32(force),
             max_rounds=np.int32(2 ** 30 if max_rounds is None else max_rounds), max_tokens=np.int32(request.stop),
             sampling=sampling, grammar=grammar)
@@ -317,11 +318,13 @@ class Model:
         return np.asarray(self.cost_table(request), np.float32)
 
     def generate(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
-                 temperature: float = 0.0, seed: int = 0, block_size: int | None = None, *, top_k=None, top_p=None,
-                 min_p=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                 temperature: float | list = 0.0, seed: int = 0, block_size: int | None = None, *, top_k=None,
+                 top_p=None, min_p=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
                  logit_bias=None, response_format: dict | None = None, regex: str | None = None,
                  logprobs: int | None = None) -> Generation:
         """Generate up to max_new_tokens per row; greedy when temperature == 0. One dispatch per call.
+        ``temperature``: one for every row, or a list with one per row (a row at 0 in a batch that samples takes
+        the argmax).
 
         The logits processors (``kimi_jax.decoding.processors``, in its order: logit_bias, repetition_penalty,
         frequency_penalty and presence_penalty, temperature, min_p, top_k, top_p), each a scalar for every row or
@@ -381,7 +384,7 @@ class Model:
                           token_logprobs(logprobs, [(i, 0, int(n)) for i, n in enumerate(n_out)]))
 
     def stream(self, prompt, max_new_tokens: int = 64, method: str | None = None, budget: int | str | None = None,
-               temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
+               temperature: float | list = 0.0, seed: int = 0, block_size: int | None = None,
                rounds_per_dispatch: int = 4, *, top_k=None, top_p=None, min_p=None, presence_penalty=None,
                frequency_penalty=None, repetition_penalty=None, logit_bias=None,
                response_format: dict | None = None, regex: str | None = None,
@@ -421,6 +424,17 @@ class Model:
                                                       state.logprobs))
         busy += time.perf_counter() - t0
         yield self._result(request, out, n_out, accepted, width, int(rounds), busy, compile_s, dispatches, lp)
+
+
+def _temperatures(temperature, rows: int) -> np.ndarray:
+    """A request's temperature, checked: one for every row, or a list with one per row (a greedy row, 0, in a
+    batch that samples samples at 1e-6: its argmax)."""
+    values = np.asarray(temperature if isinstance(temperature, (list, tuple)) else [temperature] * rows, object)
+    if values.ndim != 1 or len(values) != rows:
+        raise GenerationError(f"temperature: one number, or a list of {rows} (one per row), got {temperature!r}")
+    for t in values:
+        fields.check(temperature=t)
+    return values.astype(np.float64)
 
 
 def token_logprobs(lp: engine.Logprobs, spans) -> list:

@@ -467,3 +467,17 @@ def test_stream_carries_the_history_across_dispatches(model):
     want = model.generate(PROMPTS, 12, method="ar", **SETTINGS).tokens
     *chunks, last = model.stream(PROMPTS, 12, method="ar", rounds_per_dispatch=3, **SETTINGS)
     assert last.tokens == want and len(chunks) > 1
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_each_row_samples_at_its_own_temperature(model, method):
+    """Per-row temperatures in one program: a row's tokens do not depend on another row's temperature (the same
+    key, the same draws), and a row at 0 in a sampling batch decodes what greedy decoding does."""
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    mixed = model.generate(prompts, 12, method=method, budget=4, temperature=[0.0, 1.5, 0.7], seed=3).tokens
+    other = model.generate(prompts, 12, method=method, budget=4, temperature=[1.0, 1.5, 0.7], seed=3).tokens
+    greedy = model.generate(prompts[:1], 12, method=method, budget=4).tokens[0]
+    assert mixed[0] == greedy and mixed[0] != mixed[1]
+    assert mixed[1:] == other[1:]
+    with pytest.raises(GenerationError, match="one per row"):
+        model.generate(prompts, 4, method=method, temperature=[1.0, 1.0])

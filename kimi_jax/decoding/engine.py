@@ -95,7 +95,7 @@ class Inputs:
     drafter_params: Any           # the drafter's compute params, None for ar
     prompt: jax.Array             # [b, t] int32, right-padded
     lens: jax.Array               # [b] int32 prompt lengths
-    temperature: jax.Array        # float32 scalar (> 0; used only by sampling specs)
+    temperature: jax.Array        # float32 scalar, or [b] one per row (> 0; used only by sampling specs)
     seed: jax.Array               # uint32 scalar
     costs: jax.Array | None = None   # auto: the cost table [2, len(widths)] (kimi_jax.decoding.costs); else None
     force: jax.Array = -1         # auto: a width index every round verifies (calibration), -1 = the policy plans
@@ -133,7 +133,7 @@ class State:
     done: jax.Array               # [b] bool
     rounds: jax.Array             # int32 scalar
     key: jax.Array
-    temperature: jax.Array        # float32 scalar
+    temperature: jax.Array        # [b] float32: each row's own (a batch mixes them; the server's rows join with theirs)
     stats: Stats
     policy: auto.Policy
     # Spec.process only (else None); both per row, batch at axis 0
@@ -160,7 +160,7 @@ def _choose(logits, spec: Spec, state: State, key, tree: ddtree.Tree | None = No
         return processors.choose(logits, state.sampling, state.history, state.temperature, key, spec.sample, tree)
     if not spec.sample:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / state.temperature, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / state.temperature[:, None, None], axis=-1).astype(jnp.int32)
 
 
 def _recorded(state: State, new_tokens, n_out):
@@ -321,7 +321,7 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
     state = State(cache=cache, drafter=drafter, bonus=jnp.zeros((b,), jnp.int32),     # the bonus: `first` below
                   out=jnp.zeros((b, max_new), jnp.int32), n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                   limit=jnp.full((b,), jnp.minimum(inputs.max_tokens, max_new), jnp.int32), rounds=jnp.int32(0),
-                  key=key, temperature=jnp.asarray(inputs.temperature, jnp.float32),
+                  key=key, temperature=jnp.broadcast_to(jnp.asarray(inputs.temperature, jnp.float32), (b,)),
                   stats=Stats(accepted=jnp.zeros((b, max_new), jnp.int32), width=jnp.full((max_new,), -1, jnp.int32)),
                   policy=auto.start(spec.widths, inputs.costs, b), sampling=inputs.sampling if spec.process else None,
                   history=_start_history(inputs, spec), grammar=_start_grammar(inputs, spec, b),

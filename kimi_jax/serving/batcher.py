@@ -29,11 +29,11 @@ the store. The request's ``cached`` says how many prompt tokens that served.
 What one batch shares, because it is one compiled program: the method and budget (the server's), greedy or
 sampling, whether the logits processors run (``kimi_jax.decoding.processors``: any of top_k, top_p, min_p, the
 penalties or logit_bias off its default, or structured output: ``response_format`` / ``regex``, each row with its
-own automaton padded to the server's ``grammar_shape``; their values are each row's own), the temperature and
-the random key.
+own automaton padded to the server's ``grammar_shape``; their values are each row's own), and the random key.
+Each row samples at its own temperature (``engine.State.temperature`` is per row).
 A request whose group differs from the running batch's waits until that batch drains (greedy requests batch
-with each other, sampling requests with the same temperature batch with each other, each split by processors on
-or off); ``seed`` is honoured only by a sampling request that starts a batch.
+with each other, sampling requests with each other, each split by processors on or off); ``seed`` is honoured
+only by a sampling request that starts a batch (the key is the batch's).
 A request's ``max_tokens`` is its row's run-time limit (``engine.State.limit``): the row stops emitting there
 inside the dispatch. Every program (the batch's rounds, join, retire and regroup for every slot bucket, the
 prefill of each prompt-length bucket) comes from the model's program layer (``kimi_jax.decoding.programs``:
@@ -89,11 +89,11 @@ log = logging.getLogger("kimi_jax.serve")
 def row_axes(state: State):
     """A State-shaped tree of ints: the batch axis of every field. Every field is a row's own, at axis 0 (the
     logits processors' values and history, the automata, the logprobs, what a new field will be), except the
-    caches (batch at axis 1) and the batch's own fields (-1): round counter, key, temperature, width per round,
-    the auto policy's memory."""
+    caches (batch at axis 1) and the batch's own fields (-1): round counter, key, width per round, the auto
+    policy's memory."""
     axes = jax.tree.map(lambda _: 0, state)
     return axes.replace(cache=axes.cache.replace(kv=1), drafter=jax.tree.map(lambda _: 1, state.drafter),
-                        rounds=-1, key=-1, temperature=-1, stats=axes.stats.replace(width=-1),
+                        rounds=-1, key=-1, stats=axes.stats.replace(width=-1),
                         policy=jax.tree.map(lambda _: -1, state.policy))
 
 
@@ -167,17 +167,12 @@ class Job:
         return _group(self.temperature, self.processing)
 
 
-def _group(temperature: float, processing: dict) -> tuple[bool, float, bool]:
-    """What requests share a batch (one compiled program, one temperature): (sampling, its temperature,
-    processors or structured output on)."""
+def _group(temperature: float, processing: dict) -> tuple[bool, bool]:
+    """What requests share a batch (one compiled program, its kind): (sampling, processors or structured output
+    or logprobs on)."""
     processed = processors.requested(**{k: v for k, v in processing.items() if k in fields.PROCESSORS}) or any(
         processing.get(k) is not None for k in (*STRUCTURED, "logprobs"))
-    return temperature > 0, temperature if temperature > 0 else 0.0, processed
-
-
-def _kind(group) -> tuple[bool, bool]:
-    """A group's programs: (sampling, processors on)."""
-    return group[0], group[2]
+    return temperature > 0, processed
 
 
 @dataclasses.dataclass
@@ -606,7 +601,7 @@ class Batcher:
         elif kind == "retire":
             self._state = self._run(retire, self._state, np.asarray(args[0], bool))
         elif kind == "rounds":
-            self._state = self._dispatch(self._state, _kind(self._group), args[0])
+            self._state = self._dispatch(self._state, self._group, args[0])
         elif kind == "drop":
             self._state = None
         else:
@@ -620,8 +615,8 @@ class Batcher:
         group, t = _group(temperature, processing), max(temperature, 1e-6)
         state = self._state
         if fresh_slots:
-            state = self._blank(_kind(group), t, seed, fresh_slots)
-        row, cached = self._prefill(ids, _kind(group), t, seed, max_tokens, processing)
+            state = self._blank(group, t, seed, fresh_slots)
+        row, cached = self._prefill(ids, group, t, seed, max_tokens, processing)
         self._state, self._group = self._run(join, state, row, np.int32(slot)), group if fresh_slots else self._group
         return cached
 
