@@ -19,11 +19,12 @@ import scipy.stats
 
 import kimi_jax
 from kimi_jax.config import preset
-from kimi_jax.decoding import ddtree, engine, processors
+from kimi_jax.decoding import constrained, ddtree, engine, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.fields import LOGIT_BIAS_ENTRIES
 from kimi_jax.model.params import init_params
+from kimi_jax.text.grammar import GrammarTables
 
 HF = np.load(os.path.join(os.path.dirname(__file__), "fixtures", "processors_hf.npz"))
 HF_NAMES = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -267,11 +268,20 @@ CONFIGS = {
 }
 
 
-def ar_distribution(values, temperature):
-    """P(first three tokens after the root) under the processed conditionals, by brute force."""
+# A schema on the toy vocabulary: the automaton's state is the last token; 0 may not follow 1, 2 may not follow 2
+REFUSED = {(1, 0), (2, 2)}
+NEXT = np.array([[c if (s, c) not in REFUSED else -1 for c in range(V)] for s in range(V)], np.int32)
+
+
+def ar_distribution(values, temperature, schema=False):
+    """P(first three tokens after the root) under the processed conditionals (with ``schema``: the target's
+    logits masked by the automaton first, as the engine does), by brute force."""
     def cond(seq):                                  # seq: the generated tokens so far (root first)
         prev2 = (PROMPT + seq)[-2]
-        out = ref_process(np.log(P[prev2, seq[-1]]), values, PROMPT, seq, temperature)
+        logits = np.log(P[prev2, seq[-1]])
+        if schema:
+            logits = np.where(NEXT[seq[-1]] >= 0, logits, -np.inf)
+        out = ref_process(logits, values, PROMPT, seq, temperature)
         return np.exp(out - np.logaddexp.reduce(out))
 
     dist = np.zeros((V,) * 3)
@@ -297,7 +307,29 @@ def tree_round(key, prev2, root, s, history, temperature):
     return emitted, path_len
 
 
-def first_three(values, temperature, seed=0):
+@jax.jit
+def constrained_tree_round(key, prev2, root, s, history, temperature):
+    """``tree_round`` under the schema, through the engine's pieces: the tree keeps only allowed prefixes, every
+    node's state masks the target's logits there (``constrained.mask``) before the processors."""
+    rows = root.shape[0]
+    tables = GrammarTables(jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (rows, V)),
+                           jnp.broadcast_to(jnp.asarray(NEXT), (rows, V, V)), jnp.ones((rows, V), bool))
+    step = constrained.step(tables)
+    draft = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (rows, L, V))
+    tree = ddtree.build_tree(root, draft, 6, step, root, constrained.allowed(tables, root[:, None])[:, 0])
+    states = ddtree.node_states(tree, step, root, L)
+    parent_tok = jnp.where(tree.parents >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(tree.parents, 0), 1),
+                           prev2[:, None])
+    logits = constrained.mask(jnp.log(jnp.asarray(P)[parent_tok, tree.tokens]), tables, states)
+    target = processors.choose(logits, s, history, temperature, key, True, tree)
+    path, path_len, bonus = ddtree.walk(tree, target, L)
+    tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), 1)
+    emitted = jnp.where(jnp.arange(L + 1) == (path_len - 1)[:, None], bonus[:, None],
+                        jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1))
+    return emitted, path_len
+
+
+def first_three(values, temperature, seed=0, round_fn=tree_round):
     s = processors.sampling(ROWS, V, **values)
     seq = np.zeros((ROWS, 2 + 3 * (L + 1)), np.int32)       # prompt, root, then what the rounds emit
     seq[:, 0], seq[:, 1] = PROMPT[0], ROOT
@@ -311,8 +343,8 @@ def first_three(values, temperature, seed=0):
     while n.min() < 5:
         key, sub = jax.random.split(key)
         history = processors.History(counts=jnp.asarray(counts), in_prompt=jnp.asarray(in_prompt))
-        emitted, path_len = jax.device_get(tree_round(sub, jnp.asarray(seq[rows, n - 2]), jnp.asarray(seq[rows, n - 1]),
-                                                      s, history, jnp.float32(temperature)))
+        emitted, path_len = jax.device_get(round_fn(sub, jnp.asarray(seq[rows, n - 2]), jnp.asarray(seq[rows, n - 1]),
+                                                    s, history, jnp.float32(temperature)))
         for j in range(L + 1):
             take = j < path_len
             seq[rows[take], n[take] + j] = emitted[take, j]
@@ -342,6 +374,17 @@ def test_ddtree_sampling_with_processors_is_lossless(name):
     values, temperature = CONFIGS[name]
     stat, critical = chi2_test(first_three(values, temperature), ar_distribution(values, temperature))
     print(f"chi2[{name}] = {stat:.1f} (critical {critical:.1f})")
+    assert stat < critical
+
+
+@pytest.mark.parametrize("name", ["temperature", "combination"])
+def test_ddtree_sampling_under_a_schema_is_lossless(name):
+    """The tree under an automaton, each node's state masking the target: accepted tokens are AR sampling from
+    the masked, processed distribution (refused continuations never occur: chi2_test asserts it)."""
+    values, temperature = CONFIGS[name]
+    samples = first_three(values, temperature, round_fn=constrained_tree_round)
+    stat, critical = chi2_test(samples, ar_distribution(values, temperature, schema=True))
+    print(f"chi2[{name} under a schema] = {stat:.1f} (critical {critical:.1f})")
     assert stat < critical
 
 

@@ -35,7 +35,7 @@ def _reply(model, tokens):
     return json.loads(model.tokenizer.decode([t for t in tokens if t not in eos]))
 
 
-@pytest.mark.parametrize("budget", [4, 32])
+@pytest.mark.parametrize("budget", [0, 4, 32])
 def test_greedy_ddtree_equals_greedy_ar_under_the_schema(model, budget):
     ar = model.generate(PROMPTS[:2], MAX_NEW, method="ar", response_format=FORMAT)
     tree = model.generate(PROMPTS[:2], MAX_NEW, method="ddtree", budget=budget, response_format=FORMAT)
