@@ -419,6 +419,9 @@ def model():
                           drafter=dflash.Drafter(DCFG, dflash.init_params(DCFG, jax.random.key(1))))
 
 
+DRAFT = dflash.draft
+
+
 def oracle_draft(sequences, wrong_depth=1):
     """A drafter that knows the processed AR continuation, wrong on top at one depth (the true token second)."""
     table = jnp.asarray(sequences)
@@ -513,9 +516,13 @@ def test_stream_carries_the_history_across_dispatches(model):
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
-def test_each_row_samples_at_its_own_temperature(model, method):
+def test_each_row_samples_at_its_own_temperature(monkeypatch, method):
     """Per-row temperatures in one program: a row's tokens do not depend on another row's temperature (the same
     key, the same draws), and a row at 0 in a sampling batch decodes what greedy decoding does."""
+    monkeypatch.setattr(dflash, "draft", DRAFT)      # the real drafter, whatever processed_ar patched
+    jax.clear_caches()
+    model = kimi_jax.Model(CFG, init_params(CFG, jax.random.key(0), scale=2.0),
+                           drafter=dflash.Drafter(DCFG, dflash.init_params(DCFG, jax.random.key(1))))
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
     mixed = model.generate(prompts, 12, method=method, budget=4, temperature=[0.0, 1.5, 0.7], seed=3).tokens
     other = model.generate(prompts, 12, method=method, budget=4, temperature=[1.0, 1.5, 0.7], seed=3).tokens
@@ -524,3 +531,4 @@ def test_each_row_samples_at_its_own_temperature(model, method):
     assert mixed[1:] == other[1:]
     with pytest.raises(GenerationError, match="one per row"):
         model.generate(prompts, 4, method=method, temperature=[1.0, 1.0])
+    jax.clear_caches()
