@@ -102,7 +102,7 @@ def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int, step: Step
     With ``step`` and ``root_state`` [B], only prefixes the automaton allows (module doc); ``first_allowed``
     [B, V] bool: the tokens root_state allows, applied before depth 1's top-K."""
     log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
-    if first_allowed is not None:
+    if first_allowed is not None and log_probs.shape[1]:      # budget 0 drafts no depth
         log_probs = log_probs.at[:, 0].set(jnp.where(first_allowed, log_probs[:, 0], -jnp.inf))
     return build_tree_from_log_probs(root, log_probs, budget, step, root_state)
 
