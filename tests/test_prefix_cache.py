@@ -123,7 +123,7 @@ def test_concurrent_requests_with_and_without_hits_keep_their_tokens(model):
 @pytest.mark.slow
 def test_the_server_reports_cached_tokens_and_prefix_metrics(model):
     from kimi_jax.serving.server import create_app, shutdown
-    b = Batcher(model, max_batch=2, max_new=8, max_len=128, method="ar")
+    b = Batcher(model, max_batch=2, max_new=8, max_len=128, method="ar", processing=False)
     b.warm(log=lambda m: None)
     b.start()
     app = create_app(b, "kimi-test")

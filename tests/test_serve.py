@@ -478,7 +478,8 @@ def test_sigint_drains_and_exits_130_without_tracebacks(reference):
     model, alone = reference
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--drafter", "none",
-                             "--max-batch", "2", "--max-new-tokens", str(MAX_NEW), "--max-len", "128"], cwd=ROOT,
+                             "--max-batch", "2", "--max-new-tokens", str(MAX_NEW), "--max-len", "128",
+                             "--no-processing"], cwd=ROOT,
                             env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"

@@ -46,7 +46,7 @@ def _start(tmp_path, name: str):
                 [sys.executable, "-m", "kimi_jax.serve", "--coordinator", f"localhost:{coordinator}",
                  "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S),
                  "--mesh", "ep=2", "--port", str(port), "--max-batch", "2", "--max-new-tokens", str(MAX_NEW),
-                 "--max-len", "64", "--budget", "8", "--queue-size", "32"],
+                 "--max-len", "64", "--budget", "8", "--queue-size", "32", "--no-processing"],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -157,8 +157,9 @@ class _Replayer:
 
 def test_a_follower_that_runs_only_the_steps_ends_with_process_0s_batch():
     """In one process: a batcher that is told only the steps (JSON) of another's run, 10 greedy requests of
-    different lengths through 2 slots (growth, compaction, retirements, the prefix cache), ends with the same
-    batch state, token for token, and the same prefix cache."""
+    different lengths through 2 slots (growth, compaction, retirements, the prefix cache; the last two with
+    logits processors, whose logit_bias token ids travel as JSON's string keys), ends with the same batch state,
+    token for token, and the same prefix cache."""
     import jax
     import numpy as np
 
@@ -172,7 +173,8 @@ def test_a_follower_that_runs_only_the_steps_ends_with_process_0s_batch():
     leader.start()
     for i, prompt in enumerate(_prompts(10)):
         ids = model.tokenizer.encode(prompt)[:40]
-        leader.submit(Job(ids, 3 + i, 0.0, 0, emit=lambda t: None, finish=done.append))
+        processing = {"logit_bias": {ids[-1]: 5.0}, "repetition_penalty": 1.3} if i >= 8 else {}
+        leader.submit(Job(ids, 3 + i, 0.0, 0, emit=lambda t: None, finish=done.append, processing=processing))
     deadline = time.monotonic() + 300
     while len(done) < 10 and time.monotonic() < deadline:
         time.sleep(0.1)

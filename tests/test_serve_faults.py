@@ -28,7 +28,7 @@ def live():
     from kimi_jax.serving.batcher import Batcher
     from kimi_jax.serving.server import create_app
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
-    batcher = Batcher(model, max_batch=SLOTS, max_new=MAX_NEW, max_len=MAX_LEN, budget=4)
+    batcher = Batcher(model, max_batch=SLOTS, max_new=MAX_NEW, max_len=MAX_LEN, budget=4, processing=False)
     batcher.warm(log=lambda m: None)
     batcher.start()
     app = create_app(batcher, model.config.name)
@@ -61,6 +61,15 @@ def _metric(url, status):
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith("kimi_jax_requests_total{") and f'status="{status}"' in line:
             yield float(line.split()[-1])
+
+
+def test_without_the_processing_programs_their_fields_are_400s(live):
+    """This server runs with processing=False (--no-processing): a request that needs the processing programs is
+    refused before it is queued, with the reason; a plain one is served."""
+    for extra in ({"top_p": 0.9}, {"logprobs": 2}, {"response_format": {"type": "json_object"}}):
+        r = httpx.post(live["url"] + "/v1/completions", json={"prompt": GOOD[0], "max_tokens": 4, **extra}, timeout=60)
+        assert r.status_code == 400 and "--no-processing" in r.json()["error"]["message"], (extra, r.text)
+    assert _complete(live["url"], GOOD[0], 4).json()["choices"][0]["text"] == live["alone"](GOOD[0], 4)
 
 
 def test_a_failing_prefill_ends_that_request_alone(live, monkeypatch):

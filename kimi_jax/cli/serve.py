@@ -46,6 +46,9 @@ def _parse(argv):
     p.add_argument("--dispatch-ms", type=float, default=10.0,
                    help="target length of one dispatch: how long a new request may wait to join (default 10)")
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests beyond which the server says 429")
+    p.add_argument("--no-processing", action="store_true",
+                   help="serve without the processing programs (top_k/top_p/min_p, penalties, logit_bias, "
+                        "response_format, strict tools, logprobs: a 400): half the programs, half the warm-up")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
     p.add_argument("--prefix-cache-pages", type=int, default=None,
                    help="pages of the prefix cache (default: as many tokens as max-batch full caches; 0 = off)")
@@ -185,7 +188,8 @@ def run(argv=None) -> int:
                       method=args.method, budget=None if args.budget == "auto" else args.budget,
                       rounds_per_dispatch=args.rounds_per_dispatch, dispatch_ms=args.dispatch_ms,
                       queue_size=args.queue_size,
-                      prefix_pages=args.prefix_cache_pages, page_size=args.page_size, peers=peers)
+                      prefix_pages=args.prefix_cache_pages, page_size=args.page_size, peers=peers,
+                      processing=not args.no_processing)
     batcher.warm(log=_say if cluster.leader() else lambda m: None)
     if peers is not None and not peers.leader:
         return _follow(batcher, peers)

@@ -192,7 +192,8 @@ class Batcher:
     def __init__(self, model: Model, *, max_batch: int = 8, max_new: int = 256, max_len: int | None = None,
                  method: str | None = None, budget=None, rounds_per_dispatch: int | None = None,
                  dispatch_ms: float = 10.0, queue_size: int = 64, prefix_pages: int | None = None,
-                 page_size: int = 16, peers: Peers | None = None, grammar_shape: tuple[int, int] = (1024, 512)):
+                 page_size: int = 16, peers: Peers | None = None, grammar_shape: tuple[int, int] = (1024, 512),
+                 processing: bool = True):
         if model.runtime.page_size:
             # join() writes a prefilled row into its slot of one contiguous block; a page pool needs an allocator.
             raise GenerationError("the server's batch slots use the contiguous cache: load the model with "
@@ -205,9 +206,12 @@ class Batcher:
         self._round_s = {}                  # slot bucket -> seconds per round, measured on its dispatches
         # the processing kinds also carry every row's automaton (a row without one allows everything)
         self.grammar_shape = grammar_shape
+        # processing=False: only the plain kinds (half the programs and the warm-up); a request that needs the
+        # processing kind is refused at submit
+        self.processing = processing
         self.specs = {(s, p): model.spec(self.method, budget, 1.0 if s else 0.0, process=p)._replace(
                       grammar=grammar_shape if p else None, logprobs=fields.LOGPROBS_MAX if p else None)
-                      for s in (False, True) for p in (False, True)}
+                      for s in (False, True) for p in ((False, True) if processing else (False,))}
         nodes = self.specs[False, False].nodes
         self.max_len = max_len or model.config.max_position_embeddings
         self.max_prompt = self.max_len - max_new - nodes - 1
@@ -258,6 +262,10 @@ class Batcher:
                                   "schema: fewer optional fields, shorter enums and bounds)")
 
     def submit(self, req: Job) -> None:
+        if req.group not in self.specs:
+            raise GenerationError("this server runs without the processing programs (it was started with "
+                                  "--no-processing): top_k, top_p, min_p, the penalties, logit_bias, response_format, "
+                                  "strict tools and logprobs are not served")
         with self._wake:
             if self._deadline is not None:
                 raise Draining("the server is shutting down; retry on another server or later")
@@ -306,7 +314,7 @@ class Batcher:
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
         """Compile every program the loop can run, for greedy and for sampling batches, each with the logits
-        processors on and off: each prompt bucket's
+        processors on and off (on: unless ``processing=False``): each prompt bucket's
         prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire,
         its growth from the bucket below and its compaction into every smaller one."""
         t0 = time.perf_counter()
