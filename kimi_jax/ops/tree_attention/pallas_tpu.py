@@ -44,14 +44,35 @@ TPU7x devices report one core each), so splitting the prefix only adds partials 
 so one row and one query block split in two (``default_splits`` divides by the rows x query blocks that already
 fill the grid's parallel axes).
 
-What libtpu rejected while this was built: see ``tpu_supports`` (its conditions are what deviceless compiles for
-v5e, v5p, v6e and TPU7x refused).
+The cache's layout. XLA:TPU's default layout for a 16-bit ``[..., slots, 576]`` array is slot-minor (major_to_minor
+``(..., 576, slots)``: it avoids padding 576 lanes to 640), while a Mosaic kernel takes its operands row-major, so
+XLA copies the whole operand, every layer's cache with ``layer=``, into a row-major buffer before each call
+(deviceless compiles: 2.7 GB of temporaries for 8 rows x 256k slots). Give the cache buffers a row-major layout
+(``jax.experimental.layout.Format(Layout(major_to_minor=tuple(range(kv.ndim))), sharding)`` wherever they are
+made or passed to jit: the 576 lanes then pad to 640, +11% HBM) and the kernel reads them in place
+(``tests/test_tree_attention_tpu.py`` asserts no copy of the cache in the compiled HLO).
+
+What libtpu and Pallas TPU rejected while this was built (deviceless compiles for v5e, v5p, v6e, TPU7x), and
+what the kernel does about it (``tpu_supports`` states each as a rule):
+
+- key blocks of 4 or 12 rows ("the last two dimensions of your block shape are divisible by 8 and 128
+  respectively, or be equal to the respective dimensions of the overall array"): key blocks are multiples of
+  8 rows or a whole page / the whole cache. 8-row blocks of a bf16 cache lower (no 16-row minimum).
+- a page table of 64 rows x 4096 pages: "Ran out of memory in memory space smem" (1 MiB): at most
+  ``MAX_TABLE_ENTRIES`` table entries a call.
+- lowering on a CPU host without a TPU mesh: "Unsupported TPU device kind: cpu"; lower under
+  ``jax.set_mesh`` of compile-only TPU devices (which also gives ``lowering_tpu`` the device kind for TILES).
+- an fp8 cache with bf16 queries: ``jnp.result_type`` refuses to promote 8-bit floats, so the dots' dtype is
+  picked explicitly (the wider of the two).
+- Nothing at K2.6 shapes: the 576-wide single dot, the [bq, 1] m / l scratch and outputs, the bit-shift mask
+  unpacking and the clamped index_maps all lower on the four generations as written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -80,35 +101,38 @@ TILES = {
     "TPU7x": Tiles(block_q=512),                        # ~310-row ridge, 256-wide MXU; one TensorCore a device
 }
 DEFAULT_TILES = TILES["TPU v5 lite"]   # an unknown TPU (or interpret mode): the smallest VMEM of the four
-Q_ROWS = 16     # query blocks come in multiples of 16 rows (a bf16 sublane tile)
+SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
+Q_ROWS = 16     # default query blocks are whole bf16 (16, 128) tiles
+# The scalar-prefetched page table lives in SMEM, 1 MiB on all four generations (deviceless compiles: 64 rows x
+# 4096 pages overflow it by 2 KiB, "Ran out of memory in memory space smem"); 16 KiB are left for the lengths
+# and Mosaic's own scalars.
+MAX_TABLE_ENTRIES = (1 << 18) - (1 << 12)
 
-TPU_RULES = ("t <= 256; a cache of 32-, 16- or 8-bit rows; contiguous, or pages holding a whole number of key "
-             "blocks (block_k and the page size share a factor of at least 8 rows per 32 bits); block_q a "
-             "multiple of 16; block_k a multiple of the sublane tile (or the whole cache)")
-
-
-def sublane_rows(dtype) -> int:
-    """Rows of one (sublane) tile of a dtype: 8 for 32 bits, 16 for 16, 32 for 8; key blocks are multiples."""
-    return 8 * 4 // jnp.dtype(dtype).itemsize
+TPU_RULES = ("t <= 256; a cache of 8-, 16- or 32-bit rows; block_q a multiple of 8; key blocks (block_k, the "
+             "cache when shorter, on a paged cache the largest common factor of block_k and the page size) a "
+             f"multiple of 8 rows or the whole cache / page; batch x pages per row <= {MAX_TABLE_ENTRIES} (SMEM)")
 
 
 def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | None:
-    """None when the TPU kernel takes ``call`` (on ``device_kind``, None: the default tiles), else why not."""
+    """None when the TPU kernel takes ``call`` (with the tiles of ``device_kind``, None: the default ones),
+    else why not. The block rules are Pallas TPU's (a deviceless compile refuses the rest, module doc)."""
     if call.tokens > MAX_TREE_TOKENS:
         return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
     if jnp.dtype(call.dtype).itemsize not in (1, 2, 4):
         return f"the TPU kernel reads 8-, 16- or 32-bit cache rows, got {call.dtype}"
-    rows = sublane_rows(call.dtype)
-    if call.block_q is not None and (call.block_q < Q_ROWS or call.block_q % Q_ROWS):
-        return f"block_q must be a positive multiple of {Q_ROWS}, got {call.block_q}"
-    bk = call.block_k or _tiles(device_kind).block_k
-    if call.block_k is not None and bk % rows and bk < call.slots:
-        return (f"block_k must be a multiple of {rows} rows (the {call.dtype} sublane tile) or cover the cache, "
-                f"got {bk}")
-    if call.page and key_block(bk, call.page, call.slots, True) % rows:
-        return (f"pages of {call.page} slots with block_k={bk}: a key block (the largest common factor, "
-                f"{key_block(bk, call.page, call.slots, True)}) must be a multiple of {rows} rows ({call.dtype}); "
-                f"use a page size that is a multiple of {rows}")
+    if call.block_q is not None and (call.block_q < SUBLANES or call.block_q % SUBLANES):
+        return f"block_q must be a positive multiple of {SUBLANES}, got {call.block_q}"
+    block_k = call.block_k or _tiles(device_kind).block_k
+    bk = key_block(block_k, call.page, call.slots, bool(call.page))
+    if bk % SUBLANES and bk != (call.page or call.slots):
+        if call.page:
+            return (f"pages of {call.page} slots with block_k={block_k}: a key block (their largest common factor, "
+                    f"{bk}) must be a multiple of {SUBLANES} rows or a whole page; use a page size that is a "
+                    f"multiple of {SUBLANES} or divides block_k")
+        return f"block_k must be a multiple of {SUBLANES} or cover the whole cache ({call.slots} slots), got {bk}"
+    if call.page and (entries := call.batch * -(-call.slots // call.page)) > MAX_TABLE_ENTRIES:
+        return (f"the page table ({call.batch} rows x {-(-call.slots // call.page)} pages = {entries} entries) must "
+                f"fit the kernel's SMEM ({MAX_TABLE_ENTRIES} entries): use larger pages or fewer rows a call")
     return None
 
 
@@ -130,8 +154,6 @@ def lowering_tpu() -> str | None:
 def key_block(block_k: int, page: int, slots: int, paged: bool) -> int:
     """Key rows a block: block_k, the whole cache when it is shorter, on a paged cache the largest common
     factor of block_k and the page size (a block never straddles two pages)."""
-    import math
-
     return math.gcd(block_k, page) if paged else min(block_k, slots)
 
 
@@ -255,7 +277,8 @@ def latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret
     n_blocks = -(-n_slots // bk)
     ns = min(num_splits or default_splits(tiles, b * nq, n_blocks), n_blocks)
     bps = -(-n_blocks // ns)
-    dt = jnp.result_type(q_lat, q_pe, kv)
+    # the dots' dtype: the queries', or the cache's when wider (8-bit floats have no implicit promotion)
+    dt = max(jnp.result_type(q_lat, q_pe), jnp.dtype(kv.dtype), key=lambda d: d.itemsize)
     q = _queries(q_lat, q_pe, dt, nq * bq)
     lengths = lengths.astype(jnp.int32)
     kv_layer = jax.lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)       # fuses into the tree gather
