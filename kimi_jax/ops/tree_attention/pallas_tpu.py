@@ -30,19 +30,25 @@ Layout.
   states merge by log-sum-exp in jnp (``xla.merge_states``).
 
 Tiling per generation (``TILES``, by jax's device_kind; block_k key rows, block_q query rows, num_splits).
-Decode attention streams the cache (576 x 2 B a key for 2 * 1088 flops a query row), so it is bandwidth-bound
-below ~peak_flops / (HBM bandwidth) query rows and compute-bound above: v5e 197 TF / 0.82 TB/s ~ 240 rows,
-v6e 918 / 1.64 ~ 560, v5p 459 / 2.76 ~ 170, TPU7x 2307 / 7.4 ~ 310 (per chip, the public figures). A query
-block of at least that many rows makes the re-read of the cache for each further query block free (it
-overlaps MXU time), so block_q sits at that point and no higher: VMEM holds, double-buffered, q [bq, 576] bf16,
-the key block [bk, 576] bf16, the output block [bq, r] f32, plus acc [bq, r] f32 and the [bq, bk] f32 scores
-and probabilities. At bq = 256, bk = 512: 0.6 + 1.2 + 1.0 + 0.5 + ~2 MB ~ 5 MB, inside v5e's 16 MiB default
-scoped VMEM (128 MiB physical); bq = 512 on v6e (32 MiB scoped) and TPU7x (64 MiB physical a TensorCore) ~ 9 MB.
-block_k = 512 makes each copy 576 KB (well past the ~0.35 us a grid step costs) and is a multiple of the
-256-wide MXU of v6e / TPU7x. num_splits: one TensorCore a device on v5e, v6e and TPU7x (libtpu's compile-only
-TPU7x devices report one core each), so splitting the prefix only adds partials to merge; v5p's megacore has two,
-so one row and one query block split in two (``default_splits`` divides by the rows x query blocks that already
-fill the grid's parallel axes).
+
+- block_q. Decode attention streams the cache (576 x 2 B a key for 2 x 1088 flops a query row), so it is
+  bandwidth-bound below ~peak_flops / HBM bandwidth query rows and compute-bound above: v5e 197 TF / 0.82 TB/s
+  ~ 240 rows, v6e 918 / 1.64 ~ 560, v5p 459 / 2.76 ~ 170, TPU7x 2307 / 7.4 ~ 310 (per chip, public figures). A
+  query block of about that many rows makes re-reading the cache for each further query block free (it
+  overlaps MXU time): 256 on v5e and v5p, 512 on v6e and TPU7x. K2.6 at TP-8 (8 heads, t <= 33: <= 264 rows) is
+  one query block everywhere, so the cache is read once.
+- block_k. A grid step costs ~0.35 us, so a key block's copy should take longer than that: 576 KB (512 rows) is
+  0.7 us at v5e's 0.82 TB/s, but 1024 rows on v6e and v5p (1.15 MB: 0.7 us at 1.64 TB/s, or a v5p TensorCore's
+  half of 2.76) and 2048 on TPU7x (2.3 MB: 0.6 us at a TensorCore's ~3.7 TB/s). All are multiples of the MXU
+  width (128 on v5e / v5p, 256 on v6e / TPU7x).
+- VMEM: double-buffered q [bq, 576], key block [bk, 576] (bf16) and output block [bq, r] (f32), acc [bq, r] and
+  the [bq, bk] float32 scores and probabilities. libtpu's scoped-VMEM figure for the kernel at 64 heads x 33
+  tokens, 4096 slots (deviceless compiles): v5e 2.4 MiB, v6e 4.9, v5p 4.9, TPU7x 11.8, all under v5e's 16 MiB
+  default scoped limit (the smallest), so the kernel sets no vmem_limit_bytes.
+- num_splits: one TensorCore a device on v5e, v6e and TPU7x (libtpu's compile-only TPU7x devices report one
+  core each), where splitting the prefix only adds partials to merge; v5p's megacore has two, so a call with
+  one row and one query block splits in two (``default_splits`` divides by the rows x query blocks that
+  already fill the grid's parallel axes).
 
 The cache's layout. XLA:TPU's default layout for a 16-bit ``[..., slots, 576]`` array is slot-minor (major_to_minor
 ``(..., 576, slots)``: it avoids padding 576 lanes to 640), while a Mosaic kernel takes its operands row-major, so
@@ -95,10 +101,10 @@ class Tiles:
 
 
 TILES = {
-    "TPU v5 lite": Tiles(block_q=256),                  # v5e: ~240-row ridge, 16 MiB scoped VMEM
-    "TPU v6 lite": Tiles(block_q=512),                  # v6e: ~560-row ridge, 32 MiB scoped VMEM
-    "TPU v5": Tiles(block_q=256, num_splits=2),         # v5p: ~170-row ridge; megacore, two TensorCores
-    "TPU7x": Tiles(block_q=512),                        # ~310-row ridge, 256-wide MXU; one TensorCore a device
+    "TPU v5 lite": Tiles(block_k=512, block_q=256),                 # v5e: 0.82 TB/s, ~240-row ridge
+    "TPU v6 lite": Tiles(block_k=1024, block_q=512),                # v6e: 1.64 TB/s, ~560-row ridge
+    "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 2.76 TB/s, ~170 rows, megacore
+    "TPU7x": Tiles(block_k=2048, block_q=512),                      # 7.4 TB/s, ~310 rows, 1 TensorCore a device
 }
 DEFAULT_TILES = TILES["TPU v5 lite"]   # an unknown TPU (or interpret mode): the smallest VMEM of the four
 SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
