@@ -86,6 +86,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
+from kimi_jax.ops.select import pick_tiles
 from kimi_jax.ops.tree_attention.pallas_triton import TREE_BLOCK, _pack_mask
 from kimi_jax.ops.tree_attention.rules import MAX_TREE_TOKENS, AttentionCall
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
@@ -95,18 +96,18 @@ from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 class Tiles:
     """Key rows a block, the most query rows a block (fewer for small trees) and the prefix splits for one row
     and one query block (module doc: why)."""
-    block_k: int = 512
-    block_q: int = 256
+    block_k: int
+    block_q: int
     num_splits: int = 1
 
 
 TILES = {
+    "": Tiles(block_k=512, block_q=256),                            # an unknown TPU, interpret mode: as v5e
     "TPU v5 lite": Tiles(block_k=512, block_q=256),                 # v5e: 0.82 TB/s, ~240-row ridge
     "TPU v6 lite": Tiles(block_k=1024, block_q=512),                # v6e: 1.64 TB/s, ~560-row ridge
     "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 2.76 TB/s, ~170 rows, megacore
     "TPU7x": Tiles(block_k=2048, block_q=512),                      # 7.4 TB/s, ~310 rows, 1 TensorCore a device
 }
-DEFAULT_TILES = TILES["TPU v5 lite"]   # an unknown TPU (or interpret mode): the smallest VMEM of the four
 SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
 Q_ROWS = 16     # default query blocks are whole bf16 (16, 128) tiles
 # The scalar-prefetched page table lives in SMEM, 1 MiB on all four generations (deviceless compiles: 64 rows x
@@ -128,7 +129,7 @@ def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | N
         return f"the TPU kernel reads 8-, 16- or 32-bit cache rows, got {call.dtype}"
     if call.block_q is not None and (call.block_q < SUBLANES or call.block_q % SUBLANES):
         return f"block_q must be a positive multiple of {SUBLANES}, got {call.block_q}"
-    block_k = call.block_k or _tiles(device_kind).block_k
+    block_k = call.block_k or pick_tiles(TILES, device_kind).block_k
     bk = key_block(block_k, call.page, call.slots, bool(call.page))
     if bk % SUBLANES and bk != (call.page or call.slots):
         if call.page:
@@ -140,12 +141,6 @@ def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | N
         return (f"the page table ({call.batch} rows x {-(-call.slots // call.page)} pages = {entries} entries) must "
                 f"fit the kernel's SMEM ({MAX_TABLE_ENTRIES} entries): use larger pages or fewer rows a call")
     return None
-
-
-def _tiles(device_kind: str | None) -> Tiles:
-    """The tiles of the longest key of TILES inside device_kind ("TPU v5" is inside "TPU v5 lite")."""
-    keys = [k for k in TILES if k in (device_kind or "")]
-    return TILES[max(keys, key=len)] if keys else DEFAULT_TILES
 
 
 def lowering_tpu() -> str | None:
@@ -264,8 +259,10 @@ def _tree_operands(kv_layer, page_table, lengths, new_mask, h, n_qp, n_slots):
 def latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret=False, block_q=None,
                          block_k=None, num_splits=None, page_table=None, layer=None, out_dtype=None,
                          device_kind=None):
-    """api.latent_attention's contract on a TPU (module doc); ``interpret=True`` runs Pallas' TPU interpret
-    mode (on a CPU), ``device_kind`` picks the tiles (default: the TPU being lowered for)."""
+    """api.latent_attention's contract on a TPU (module doc). ``interpret=True`` runs Pallas' TPU interpret mode
+    on a CPU: ``pltpu.InterpretParams()``, which simulates the DMAs, SMEM and VMEM (unwritten VMEM reads as NaN,
+    out-of-bounds reads raise), where plain ``interpret=True`` would run the kernel as generic HLO. ``device_kind``
+    picks the tiles (default: the TPU being lowered for, ``lowering_tpu``; none: TILES[""])."""
     b, t, h, r = q_lat.shape
     if layer is None:
         kv, layer = kv[None], 0
@@ -273,7 +270,8 @@ def latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret
     page = 0 if page_table is None else kv.shape[2]
     n_slots = kv.shape[2] if not page else page_table.shape[1] * page
     call = AttentionCall(b, t, h, r, q_pe.shape[-1], n_slots, page, jnp.dtype(kv.dtype).name, block_q, block_k)
-    tiles = _tiles(device_kind or lowering_tpu())
+    device_kind = device_kind or lowering_tpu()
+    tiles = pick_tiles(TILES, device_kind)
     if reason := tpu_supports(call, device_kind):
         raise ValueError(reason)
     bk = key_block(block_k or tiles.block_k, page, n_slots, bool(page))
