@@ -16,7 +16,9 @@ Layout.
 - Grid ``(split, batch row, query block, key block)``, the key-block axis last and "arbitrary": an online softmax
   keeps ``m``, ``l`` ([bq, 1]) and ``acc`` ([bq, r]) in float32 VMEM scratch across it. Split ``j`` covers
   prefix key blocks ``[j*bps, (j+1)*bps)`` of ``bk`` rows. The split axis is outermost so that a megacore chip
-  (v5p) shards it over its two TensorCores when one row and one query block are all there is.
+  (v5p) can shard it over its two TensorCores when one row and one query block are all there is (every axis
+  but the key blocks is "parallel"; which one libtpu divides between the cores is not visible in a
+  deviceless compile, so this is unmeasured).
 - Scalar prefetch (SMEM): the lengths, the layer and the flattened page table. The cache's index_map clamps the
   key block to the row's last valid one (``ceil(lengths / bk) - 1``), so the steps past a row's length ask
   for the block already in VMEM and the pipeline issues no copy; ``pl.when`` skips their compute. Paged:
@@ -31,15 +33,16 @@ Layout.
 
 Tiling per generation (``TILES``, by jax's device_kind; block_k key rows, block_q query rows, num_splits).
 
+Figures per TensorCore from ``pltpu.get_tpu_info_for_chip``: HBM bandwidth v5e 0.82 TB/s, v5p 1.23, v6e 1.64,
+TPU7x 3.7; bf16 peak 197, 230, 920, 1155 TF; VMEM 128, 64, 128, 64 MiB; SMEM 1 MiB each.
+
 - block_q. Decode attention streams the cache (576 x 2 B a key for 2 x 1088 flops a query row), so it is
-  bandwidth-bound below ~peak_flops / HBM bandwidth query rows and compute-bound above: v5e 197 TF / 0.82 TB/s
-  ~ 240 rows, v6e 918 / 1.64 ~ 560, v5p 459 / 2.76 ~ 170, TPU7x 2307 / 7.4 ~ 310 (per chip, public figures). A
-  query block of about that many rows makes re-reading the cache for each further query block free (it
-  overlaps MXU time): 256 on v5e and v5p, 512 on v6e and TPU7x. K2.6 at TP-8 (8 heads, t <= 33: <= 264 rows) is
-  one query block everywhere, so the cache is read once.
-- block_k. A grid step costs ~0.35 us, so a key block's copy should take longer than that: 576 KB (512 rows) is
-  0.7 us at v5e's 0.82 TB/s, but 1024 rows on v6e and v5p (1.15 MB: 0.7 us at 1.64 TB/s, or a v5p TensorCore's
-  half of 2.76) and 2048 on TPU7x (2.3 MB: 0.6 us at a TensorCore's ~3.7 TB/s). All are multiples of the MXU
+  bandwidth-bound below ~peak / bandwidth query rows and compute-bound above: v5e ~240 rows, v5p ~190, v6e
+  ~560, TPU7x ~310. A query block of about that many rows makes re-reading the cache for each further query
+  block free (it overlaps MXU time): 256 on v5e and v5p, 512 on v6e and TPU7x. K2.6 at TP-8 (8 heads, t <= 33:
+  <= 264 rows) is one query block everywhere, so the cache is read once.
+- block_k. A grid step costs ~0.35 us, so a key block's copy should take longer: 512 rows (576 KB) take 0.7 us
+  on v5e, 1024 rows 0.7 us on v6e and 0.9 us on v5p, 2048 rows 0.6 us on TPU7x. All are multiples of the MXU
   width (128 on v5e / v5p, 256 on v6e / TPU7x).
 - VMEM: double-buffered q [bq, 576], key block [bk, 576] (bf16) and output block [bq, r] (f32), acc [bq, r] and
   the [bq, bk] float32 scores and probabilities. libtpu's scoped-VMEM figure for the kernel at 64 heads x 33
@@ -56,7 +59,7 @@ XLA copies the whole operand, every layer's cache with ``layer=``, into a row-ma
 (deviceless compiles: 2.7 GB of temporaries for 8 rows x 256k slots). Give the cache buffers a row-major layout
 (``jax.experimental.layout.Format(Layout(major_to_minor=tuple(range(kv.ndim))), sharding)`` wherever they are
 made or passed to jit: the 576 lanes then pad to 640, +11% HBM) and the kernel reads them in place
-(``tests/test_tree_attention_tpu.py`` asserts no copy of the cache in the compiled HLO).
+(``tests/test_tree_attention_tpu.py`` asserts no relayout of the cache in the compiled HLO).
 
 What libtpu and Pallas TPU rejected while this was built (deviceless compiles for v5e, v5p, v6e, TPU7x), and
 what the kernel does about it (``tpu_supports`` states each as a rule):
@@ -105,8 +108,8 @@ TILES = {
     "": Tiles(block_k=512, block_q=256),                            # an unknown TPU, interpret mode: as v5e
     "TPU v5 lite": Tiles(block_k=512, block_q=256),                 # v5e: 0.82 TB/s, ~240-row ridge
     "TPU v6 lite": Tiles(block_k=1024, block_q=512),                # v6e: 1.64 TB/s, ~560-row ridge
-    "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 2.76 TB/s, ~170 rows, megacore
-    "TPU7x": Tiles(block_k=2048, block_q=512),                      # 7.4 TB/s, ~310 rows, 1 TensorCore a device
+    "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 1.23 TB/s a core, ~190 rows; megacore
+    "TPU7x": Tiles(block_k=2048, block_q=512),                      # 3.7 TB/s, ~310 rows; 1 TensorCore a device
 }
 SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
 Q_ROWS = 16     # default query blocks are whole bf16 (16, 128) tiles
