@@ -46,19 +46,20 @@ def check(out, q, qpe, kv_rows, lengths, mask, scale, rtol=2e-5):
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
-# s = 70 is not a multiple of the 16-row key block (the last block runs past the cache); lengths: an empty
-# prefix, mid-block, and one whose tree slots run past the cache's end (kimi_jax.cache.visibility drops them)
+# s = 70 is not a multiple of the 16-row key block (the last block runs past the cache; block_k None: the default
+# 512 covers it, one 70-row block); lengths: an empty prefix, mid-block, and one whose tree slots run past the
+# cache's end (kimi_jax.cache.visibility drops them)
 @pytest.mark.interpret
-@pytest.mark.parametrize("t,h,lengths,splits", [
-    (1, 1, [0, 23, 69], 2),            # decode, one head a chip (TP-64)
-    (5, 4, [0, 33, 67], None),         # a 1 + 4-node tree, TP-16, default splits
-    (17, 8, [0, 48, 60], 3),           # TP-8, 136 query rows: a ragged last query block of 128 rows
+@pytest.mark.parametrize("t,h,lengths,block_k,splits", [
+    (1, 1, [0, 23, 69], 16, 2),        # decode, one head a chip (TP-64)
+    (5, 4, [0, 33, 67], None, None),   # a 1 + 4-node tree, TP-16, the default block_k and splits
+    (17, 8, [0, 48, 60], 16, 3),       # TP-8, 136 query rows: a ragged last query block of 128 rows
 ])
-def test_contiguous(t, h, lengths, splits):
+def test_contiguous(t, h, lengths, block_k, splits):
     q, qpe, kv = inputs(t, 3, t, h, 32, 16, 70)
     mask = ancestor_mask(3, t, seed=t)
     out = tpu(q, qpe, kv, jnp.asarray(lengths, jnp.int32), mask, scale=0.3, interpret=True, block_q=128,
-              block_k=16, num_splits=splits)
+              block_k=block_k, num_splits=splits)
     check(out, q, qpe, kv, lengths, mask, 0.3)
 
 
