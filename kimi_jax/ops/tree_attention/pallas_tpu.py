@@ -28,8 +28,9 @@ Layout.
 - The tree's own rows (``xla.tree_rows``: ``t`` rows gathered from slots ``lengths + j``, rounded up to 32) are
   folded into split 0's online softmax at its first step under the ancestor mask, which travels bit-packed
   (``pallas_triton._pack_mask``: one int32 word per query row and 32 tree keys) and is unpacked in the kernel
-  with a shift, so the mask costs ``t*h*ceil(t/32)*4`` bytes a batch row. The splits' unnormalised partial
-  states merge by log-sum-exp in jnp (``xla.merge_states``).
+  with a shift, so the mask costs ``t*h*ceil(t/32)*4`` bytes a batch row. Several splits write unnormalised
+  float32 partial states that merge by log-sum-exp in jnp (``xla.merge_states``); one split (the default on
+  single-core chips) normalises in the kernel and writes the output in its dtype, with no partials to merge.
 
 Tiling per generation (``TILES``, by jax's device_kind; block_k key rows, block_q query rows, num_splits).
 
@@ -44,9 +45,9 @@ TPU7x 3.7; bf16 peak 197, 230, 920, 1155 TF; VMEM 128, 64, 128, 64 MiB; SMEM 1 M
 - block_k. A grid step costs ~0.35 us, so a key block's copy should take longer: 512 rows (576 KB) take 0.7 us
   on v5e, 1024 rows 0.7 us on v6e and 0.9 us on v5p, 2048 rows 0.6 us on TPU7x. All are multiples of the MXU
   width (128 on v5e / v5p, 256 on v6e / TPU7x).
-- VMEM: double-buffered q [bq, 576], key block [bk, 576] (bf16) and output block [bq, r] (f32), acc [bq, r] and
+- VMEM: double-buffered q [bq, 576], key block [bk, 576] (bf16) and output block [bq, r], acc [bq, r] and
   the [bq, bk] float32 scores and probabilities. libtpu's scoped-VMEM figure for the kernel at 64 heads x 33
-  tokens, 4096 slots (deviceless compiles): v5e 2.4 MiB, v6e 4.9, v5p 4.9, TPU7x 11.8, all under v5e's 16 MiB
+  tokens, 4096 slots (deviceless compiles): v5e 2.4 MiB, v6e 4.9, v5p 4.7, TPU7x 6.8, all under v5e's 16 MiB
   default scoped limit (the smallest), so the kernel sets no vmem_limit_bytes.
 - num_splits: one TensorCore a device on v5e, v6e and TPU7x (libtpu's compile-only TPU7x devices report one
   core each), where splitting the prefix only adds partials to merge; v5p's megacore has two, so a call with
@@ -192,9 +193,11 @@ def _tree_update(q, tkv_ref, w_ref, scale, r, state):
     _online_update(q, keys, valid, scale, r, *state)
 
 
-def _kernel(len_ref, layer_ref, table_ref, q_ref, tkv_ref, w_ref, kv_ref, o_ref, m_ref, l_ref, m_sc, l_sc,
-            acc_sc, *, scale, r, bk, bps, n_slots, ragged):
+def _kernel(len_ref, layer_ref, table_ref, q_ref, tkv_ref, w_ref, kv_ref, *refs, scale, r, bk, bps, n_slots, ragged):
+    """One (split, row, query block, key block) step. refs: the outputs, then the scratch m, l, acc: with one
+    split the output o alone, normalised in out_dtype; with several the partials (o, m, l) to merge."""
     del layer_ref, table_ref                            # read by the index_maps only
+    *outs, m_sc, l_sc, acc_sc = refs
     split, bi, kb = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     length = jnp.minimum(len_ref[bi], n_slots)
     start = (split * bps + kb) * bk
@@ -222,9 +225,11 @@ def _kernel(len_ref, layer_ref, table_ref, q_ref, tkv_ref, w_ref, kv_ref, o_ref,
 
     @pl.when(kb == bps - 1)
     def _store():
-        o_ref[...] = acc_sc[...]
-        m_ref[...] = m_sc[...]
-        l_ref[...] = l_sc[...]
+        if len(outs) == 1:      # l = 0: the query saw no key (acc = 0), zeros as in api's contract
+            outs[0][...] = (acc_sc[...] / jnp.where(l_sc[...] > 0, l_sc[...], 1.0)).astype(outs[0].dtype)
+        else:
+            for ref, sc in zip(outs, (acc_sc, m_sc, l_sc)):
+                ref[...] = sc[...]
 
 
 def _kv_index_map(bk, bps, n_slots, page, per_row, n_pages):
@@ -291,16 +296,22 @@ def latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret
     kv_layer = jax.lax.dynamic_index_in_dim(kv, layer[0], 0, keepdims=False)       # fuses into the tree gather
     tree_kv, words = _tree_operands(kv_layer, page_table, lengths, new_mask.astype(bool), h, nq * bq, n_slots)
     table = jnp.zeros((1,), jnp.int32) if not page else page_table.astype(jnp.int32).reshape(-1)
-    o, m, l = _call(q, tree_kv, words, kv, lengths, layer, table, scale=float(scale), r=r, bq=bq, bk=bk, ns=ns,
-                    bps=bps, n_slots=n_slots, page=page, per_row=0 if not page else page_table.shape[1],
-                    interpret=interpret)
-    out = merge_states(m[..., 0], l[..., 0], o, axis=0)[:, :n_q]                       # [b, n_q, r]
-    return out.astype(out_dtype or q_lat.dtype).reshape(b, t, h, r)
+    out_dtype = out_dtype or q_lat.dtype
+    parts = _call(q, tree_kv, words, kv, lengths, layer, table, scale=float(scale), r=r, bq=bq, bk=bk, ns=ns,
+                  bps=bps, n_slots=n_slots, page=page, per_row=0 if not page else page_table.shape[1],
+                  out_dtype=out_dtype, interpret=interpret)
+    if ns == 1:                 # normalised in the kernel: no partials to merge
+        out = parts[0][0]
+    else:
+        o, m, l = parts
+        out = merge_states(m[..., 0], l[..., 0], o, axis=0)
+    return out[:, :n_q].astype(out_dtype).reshape(b, t, h, r)
 
 
 def _call(q, tree_kv, words, kv, lengths, layer, table, *, scale, r, bq, bk, ns, bps, n_slots, page, per_row,
-          interpret):
-    """The pallas_call: partial states o [ns, b, n_qp, r], m, l [ns, b, n_qp, 1] (float32)."""
+          out_dtype, interpret):
+    """The pallas_call: with one split [o [1, b, n_qp, r] in out_dtype], else the float32 partial states
+    o [ns, b, n_qp, r], m, l [ns, b, n_qp, 1]."""
     b, n_qp, c = q.shape
     tp, nw = tree_kv.shape[1], words.shape[2]
     ragged = not page and n_slots % bk != 0
@@ -316,13 +327,14 @@ def _call(q, tree_kv, words, kv, lengths, layer, table, *, scale, r, bq, bk, ns,
             pl.BlockSpec((None, bq, nw), lambda j, i, qi, k, *_: (i, qi, 0)),
             pl.BlockSpec((None, None, bk, c), kv_map),
         ],
-        out_specs=[part(r), part(1), part(1)],
+        out_specs=[part(r)] if ns == 1 else [part(r), part(1), part(1)],
         scratch_shapes=[pltpu.VMEM((bq, 1), F32), pltpu.VMEM((bq, 1), F32), pltpu.VMEM((bq, r), F32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((ns, b, n_qp, r), F32)] + [jax.ShapeDtypeStruct((ns, b, n_qp, 1), F32)] * 2,
+        out_shape=([jax.ShapeDtypeStruct((1, b, n_qp, r), out_dtype)] if ns == 1 else
+                   [jax.ShapeDtypeStruct((ns, b, n_qp, r), F32)] + [jax.ShapeDtypeStruct((ns, b, n_qp, 1), F32)] * 2),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="mla_tree_attention_tpu",
