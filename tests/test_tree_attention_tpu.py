@@ -108,7 +108,8 @@ def test_k26_slice_bf16():
 
 @pytest.mark.interpret
 def test_chain_bf16_out_dtype():
-    """A chain (causal mask), bf16 in and out: the output keeps q's dtype unless out_dtype says otherwise."""
+    """A chain (causal mask), bf16 in and out (the output takes q's dtype by default), one split: the kernel
+    normalises and writes bf16 itself."""
     q, qpe, kv = inputs(6, 2, 6, 2, 32, 16, 48, jnp.bfloat16)
     out = tpu(q, qpe, kv, jnp.asarray([5, 42], jnp.int32), causal(2, 6), scale=0.2, interpret=True, block_k=16)
     assert out.dtype == jnp.bfloat16
