@@ -1,0 +1,212 @@
+"""The INT4 routed experts as two grouped Pallas TPU (Mosaic TPU) kernels, megablox-style.
+
+``int4_moe_tpu(x, topk_idx, topk_weight, experts)`` computes ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) *
+up_e(x_t))``, ``e = topk_idx[t, j]``, over the kernel layout of ``kimi_jax.ops.int4_format.Int4Experts``
+(K-major int32 words, nibble ``i`` of word row ``32c + j`` = input ``256c + 32i + j`` stored as ``u = q + 8``;
+bf16 scales ``[K/32, N]``; w13 ``[E, 2, Dp/8, F]``, w2 ``[E, Fp/8, D]``).
+
+The pairs are grouped as every other path groups them (``routing.sort_by_expert``: row block ``b`` of ``bm``
+rows belongs to expert ``block_expert[b]``, unused trailing blocks carry -1) and their rows gathered
+(``routing.gather_rows``). Then
+
+1. gate/up: grid ``(nb, F / bn, Dp / bk)``. ``block_expert`` is a scalar-prefetch operand, so the BlockSpec
+   index maps pick the block's expert's ``[2, bk/8, bn]`` word tile and ``[2, bk/32, bn]`` scale tile and the
+   pipeline DMAs only the touched experts' tiles. Each step unpacks the words in VMEM (one xor for the word, then
+   per nibble a shift left and an arithmetic shift right give ``q`` sign-extended, see ``_dequantize``), scales
+   each 32-row group by its bf16 scale row and stores the ``[bk, bn]`` tile in natural input order into a VMEM
+   scratch in the activation dtype; one ``[bm, bk] x [bk, bn]`` MXU dot per half (float32 accumulation in a VMEM
+   scratch) follows. K is the last, "arbitrary" grid axis; its last step writes ``h = silu(g) * u``.
+2. down: the same over ``h [rows, Fp]`` and w2, grid ``(nb, D / bn, Fp / bk)``, float32 rows out.
+
+Then ``routing.combine`` gathers each pair's row and sums a token's ``k`` rows with its weights.
+
+Unused blocks (``b >= used``) compute nothing and move nothing: their index maps repeat the last used block's
+tiles (the pipeline skips a copy whose block index did not change) and send their output to one extra row block
+past the used ones (written at most once per core, never read; a block shared with a used one would race under
+megacore's "parallel" split of the block axis).
+
+The weight tile is dequantized before the dot rather than the partial sums scaled per group (what the Triton
+kernel does): per-group dots would be ``[bm, 32] x [32, bn]``, 1/4 to 1/8 of the MXU's depth. The dequantized
+weights are rounded to the activation dtype, as the XLA path rounds them (``xla.experts_xla``).
+
+Tiles (``TILES``, by ``jax.Device.device_kind``; nothing here has run on a TPU yet, the figures are budgets, not
+measurements). Per step the pipeline holds two copies of each operand block; at ``bm`` rows, activation bytes
+``a``: gate/up ``2 * (bm*bk*a + 2*bk/8*bn*4 + 2*bk/32*bn*2 + bm*bn*a)`` plus scratch ``2*bm*bn*4 + bk*bn*a``
+(plus Mosaic's temporaries of the dequantization, ~a few ``[32, bn]`` float32 pieces).
+- v5e ("TPU v5 lite", 16 MiB scoped VMEM by default, 128x128 MXU, 819 GB/s): bn 256, bk 2048. At bm 256 bf16:
+  x 2 MiB, words 1 MiB, scales 0.125 MiB, h 0.25 MiB, accumulators 0.5 MiB, dequantized tile 1 MiB: ~5 MiB.
+- v6e ("TPU v6 lite", 32 MiB scoped, 256x256 MXU) and v5p ("TPU v5", 32 MiB scoped, 4x128x128 MXU, megacore):
+  bn 512 (a full MXU width, 2 KiB contiguous per word row), bk 2048: ~9 MiB at bm 256.
+- tpu7x (64 MiB VMEM per core, 256x256 MXU): bn 512, bk 2048 too; room is left for deeper buffering.
+bk is the largest multiple of 512 dividing the padded K that is <= the target (D = 7168 -> 1792?? no: 7168 =
+14 * 512 -> 1024 at target 2048 ... see ``_block``), and the whole K when none divides; bn likewise in multiples of
+128. The row block ``bm`` (``TPU_BLOCK_M``): a power of two from 16 (bf16 packs 16 rows per sublane tile) to 256
+(two 128-row MXU passes), near the mean rows per touched expert (``routing.default_block_m``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
+from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
+from kimi_jax.ops.int4_moe.rules import MoeCall
+from kimi_jax.ops.numerics import F32
+
+TPU_BLOCK_M = (16, 256)       # min, max rows per block
+LANES = 128                   # a vreg's lanes: output tiles come in multiples of 128 columns
+K_STEP = 512                  # bk in multiples of 512 inputs: the bf16 scale tile then has 16 rows (a bf16 tile)
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_n: int       # target output columns per tile
+    block_k: int       # target inputs per tile
+
+
+DEFAULT_KIND = "TPU v5 lite"
+TILES = {"TPU v5 lite": Tiles(256, 2048), "TPU v6 lite": Tiles(512, 2048), "TPU v5": Tiles(512, 2048),
+         "TPU7x": Tiles(512, 2048)}
+
+
+def _block(n: int, target: int, step: int) -> int:
+    """Largest multiple of ``step`` <= target dividing n; n itself when none does (a full dim is always a legal
+    block)."""
+    for b in range(target - target % step, 0, -step):
+        if n % b == 0:
+            return b
+    return n
+
+
+def _dequantize(words_ref, scales_ref, w_ref) -> None:
+    """words [bk/8, bn] int32 and scales [bk/32, bn] -> w_ref [bk, bn] = q * scale in natural input order."""
+    for c in range(words_ref.shape[0] // WORD_ROWS):
+        # u = q + 8 has its top bit set iff q >= 0; u ^ 8 is then q's 4-bit two's complement
+        words = words_ref[c * WORD_ROWS:(c + 1) * WORD_ROWS, :] ^ jnp.int32(0x88888888 - (1 << 32))
+        scales = scales_ref[c * 8:(c + 1) * 8, :].astype(F32)
+        for i in range(8):        # nibble plane i = scale group 8c + i = inputs 256c + 32i .. + 31
+            q = (words << (28 - 4 * i)) >> 28
+            rows = slice(c * CHUNK + i * GROUP_SIZE, c * CHUNK + (i + 1) * GROUP_SIZE)
+            w_ref[rows, :] = (q.astype(F32) * scales[i:i + 1, :]).astype(w_ref.dtype)
+
+
+def _gate_up_kernel(block_expert_ref, used_ref, x_ref, w_ref, s_ref, h_ref, acc_ref, wdq_ref):
+    k, nk = pl.program_id(2), pl.num_programs(2)
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+    @pl.when(pl.program_id(1) < used_ref[0])
+    def _():
+        for half in (0, 1):       # gate, up: one dequantized tile in VMEM at a time
+            _dequantize(w_ref.at[half], s_ref.at[half], wdq_ref)
+            acc_ref[half] += jnp.dot(x_ref[...], wdq_ref[...], preferred_element_type=F32)
+
+    @pl.when(k == nk - 1)
+    def _():
+        g, u = acc_ref[0], acc_ref[1]
+        h_ref[...] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
+
+
+def _down_kernel(block_expert_ref, used_ref, h_ref, w_ref, s_ref, o_ref, wdq_ref):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, F32)
+
+    @pl.when(pl.program_id(1) < used_ref[0])
+    def _():
+        _dequantize(w_ref, s_ref, wdq_ref)
+        o_ref[...] += jnp.dot(h_ref[...], wdq_ref[...], preferred_element_type=F32)
+
+
+def _expert_matmul(kernel, xs, w, s, block_expert, used, *, bm: int, tiles: Tiles, out_dtype, scratch,
+                   interpret: bool):
+    """Rows ``[(nb + 1) * bm, N]`` of ``kernel`` over the row blocks of ``xs [nb * bm (+ bm), K]`` against the
+    expert ``block_expert[b]`` of ``w [E, (2,) K/8, N]`` / ``s [E, (2,) K/32, N]``; the last row block is the
+    unused blocks' sink (module docstring)."""
+    nb = block_expert.shape[0]
+    kdim, n = w.shape[-2] * 8, w.shape[-1]
+    bk, bn = _block(kdim, tiles.block_k, K_STEP), _block(n, tiles.block_n, LANES)
+    nn, nk = n // bn, kdim // bk
+    halves = (2,) if w.ndim == 4 else ()
+
+    def live(j, b, k, be_ref, used_ref):
+        """Block, K tile and expert that step (j, b, k) reads: an unused block repeats the last used block's
+        last step, so the pipeline fetches nothing for it."""
+        on = b < used_ref[0]
+        bb = jnp.where(on, b, used_ref[0] - 1)
+        return bb, jnp.where(on, k, nk - 1), be_ref[bb]
+
+    def x_map(j, b, k, *refs):
+        bb, kk, _ = live(j, b, k, *refs)
+        return bb, kk
+
+    def w_map(j, b, k, *refs):
+        _, kk, e = live(j, b, k, *refs)
+        return (e, *(0 for _ in halves), kk, j)
+
+    def out_map(j, b, k, be_ref, used_ref):
+        return jnp.where(b < used_ref[0], b, nb), j
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(nn, nb, nk),
+        in_specs=[pl.BlockSpec((bm, bk), x_map),
+                  pl.BlockSpec((pl.Squeezed(), *halves, bk // 8, bn), w_map),
+                  pl.BlockSpec((pl.Squeezed(), *halves, bk // GROUP_SIZE, bn), w_map)],
+        out_specs=pl.BlockSpec((bm, bn), out_map),
+        scratch_shapes=[*scratch(bn), pltpu.VMEM((bk, bn), xs.dtype)])
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(((nb + 1) * bm, n), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(block_expert, used, xs, w, s)
+
+
+def int4_moe_tpu(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
+                 interpret: bool = False, block_m: int | None = None, device_kind: str | None = None) -> jax.Array:
+    """Routed experts of one MoE layer on a TPU: ``x [T, D]`` (bf16 or float32), ``topk_idx [T, k]``,
+    ``topk_weight [T, k]`` -> float32 ``[T, D]``. ``interpret=True``: Pallas TPU interpret mode (any platform);
+    ``block_m``: rows per block (``tpu_supports``); ``device_kind``: the TPU whose ``TILES`` to use (None:
+    ``DEFAULT_KIND``)."""
+    call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)
+    if reason := tpu_supports(call, device_kind):
+        raise ValueError(reason)
+    tiles = TILES[device_kind or DEFAULT_KIND]
+    t, k = topk_idx.shape
+    bm = block_m or default_block_m(t * k, experts.num_experts, *TPU_BLOCK_M)
+    routing = sort_by_expert(topk_idx, experts.num_experts, bm)
+    xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
+    used = jnp.sum(routing.block_expert >= 0, dtype=jnp.int32)[None]
+    matmul = functools.partial(_expert_matmul, block_expert=routing.block_expert, used=used, bm=bm, tiles=tiles,
+                               interpret=interpret)
+    h = matmul(_gate_up_kernel, xs, experts.w13, experts.s13, out_dtype=x.dtype,
+               scratch=lambda bn: [pltpu.VMEM((2, bm, bn), F32)])
+    h = jnp.pad(h, ((0, 0), (0, experts.w2.shape[-2] * 8 - h.shape[1])))    # a no-op unless F is not whole chunks
+    out = matmul(_down_kernel, h, experts.w2, experts.s2, out_dtype=F32, scratch=lambda bn: [])
+    return combine(out, routing, topk_weight)
+
+
+def tpu_supports(call: MoeCall, device_kind: str | None) -> str | None:
+    """None when ``int4_moe_tpu`` takes the call on ``device_kind`` (None: ``DEFAULT_KIND``), else why not."""
+    if device_kind is not None and device_kind not in TILES:
+        return f"the Pallas TPU MoE has tiles for {', '.join(TILES)}, not {device_kind!r}; use impl='xla'"
+    if call.dtype not in DTYPES:
+        return f"the Pallas TPU MoE runs bfloat16 or float32 activations, got {call.dtype}"
+    lo, hi = TPU_BLOCK_M
+    bm = call.block_m
+    if bm is not None and (bm < lo or bm > hi or bm & (bm - 1)):
+        return f"block_m must be a power of two from {lo} to {hi} for the Pallas TPU MoE, got {bm}"
+    return None
+
+
+TPU_RULES = "TPU v5e, v6e, v5p, TPU7x; bf16/float32 activations; block_m a power of two from 16 to 256"
