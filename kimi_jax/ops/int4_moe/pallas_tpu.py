@@ -9,39 +9,62 @@ The pairs are grouped as every other path groups them (``routing.sort_by_expert`
 rows belongs to expert ``block_expert[b]``, unused trailing blocks carry -1) and their rows gathered
 (``routing.gather_rows``). Then
 
-1. gate/up: grid ``(nb, F / bn, Dp / bk)``. ``block_expert`` is a scalar-prefetch operand, so the BlockSpec
+1. gate/up: grid ``(F / bn, nb, Dp / bk)``. ``block_expert`` is a scalar-prefetch operand, so the BlockSpec
    index maps pick the block's expert's ``[2, bk/8, bn]`` word tile and ``[2, bk/32, bn]`` scale tile and the
    pipeline DMAs only the touched experts' tiles. Each step unpacks the words in VMEM (one xor for the word, then
    per nibble a shift left and an arithmetic shift right give ``q`` sign-extended, see ``_dequantize``), scales
    each 32-row group by its bf16 scale row and stores the ``[bk, bn]`` tile in natural input order into a VMEM
    scratch in the activation dtype; one ``[bm, bk] x [bk, bn]`` MXU dot per half (float32 accumulation in a VMEM
    scratch) follows. K is the last, "arbitrary" grid axis; its last step writes ``h = silu(g) * u``.
-2. down: the same over ``h [rows, Fp]`` and w2, grid ``(nb, D / bn, Fp / bk)``, float32 rows out.
+2. down: the same over ``h [rows, Fp]`` and w2, grid ``(D / bn, nb, Fp / bk)``, float32 rows out.
 
 Then ``routing.combine`` gathers each pair's row and sums a token's ``k`` rows with its weights.
 
 Unused blocks (``b >= used``) compute nothing and move nothing: their index maps repeat the last used block's
 tiles (the pipeline skips a copy whose block index did not change) and send their output to one extra row block
-past the used ones (written at most once per core, never read; a block shared with a used one would race under
-megacore's "parallel" split of the block axis).
+past the used ones (written once per column tile, never read; pointing them at the last used block instead would
+need that block's output to stay resident, and races where two cores hold it).
 
 The weight tile is dequantized before the dot rather than the partial sums scaled per group (what the Triton
 kernel does): per-group dots would be ``[bm, 32] x [32, bn]``, 1/4 to 1/8 of the MXU's depth. The dequantized
 weights are rounded to the activation dtype, as the XLA path rounds them (``xla.experts_xla``).
 
-Tiles (``TILES``, by ``jax.Device.device_kind``; nothing here has run on a TPU yet, the figures are budgets, not
-measurements). Per step the pipeline holds two copies of each operand block; at ``bm`` rows, activation bytes
-``a``: gate/up ``2 * (bm*bk*a + 2*bk/8*bn*4 + 2*bk/32*bn*2 + bm*bn*a)`` plus scratch ``2*bm*bn*4 + bk*bn*a``
-(plus Mosaic's temporaries of the dequantization, ~a few ``[32, bn]`` float32 pieces).
-- v5e ("TPU v5 lite", 16 MiB scoped VMEM by default, 128x128 MXU, 819 GB/s): bn 256, bk 2048. At bm 256 bf16:
-  x 2 MiB, words 1 MiB, scales 0.125 MiB, h 0.25 MiB, accumulators 0.5 MiB, dequantized tile 1 MiB: ~5 MiB.
-- v6e ("TPU v6 lite", 32 MiB scoped, 256x256 MXU) and v5p ("TPU v5", 32 MiB scoped, 4x128x128 MXU, megacore):
-  bn 512 (a full MXU width, 2 KiB contiguous per word row), bk 2048: ~9 MiB at bm 256.
-- tpu7x (64 MiB VMEM per core, 256x256 MXU): bn 512, bk 2048 too; room is left for deeper buffering.
-bk is the largest multiple of 512 dividing the padded K that is <= the target (D = 7168 -> 1792?? no: 7168 =
-14 * 512 -> 1024 at target 2048 ... see ``_block``), and the whole K when none divides; bn likewise in multiples of
-128. The row block ``bm`` (``TPU_BLOCK_M``): a power of two from 16 (bf16 packs 16 rows per sublane tile) to 256
-(two 128-row MXU passes), near the mean rows per touched expert (``routing.default_block_m``).
+Grid order ``(column tile, row block, K tile)``, semantics ("parallel", "arbitrary", "arbitrary"): the unused
+blocks' shared sink must be visited in consecutive steps, which a "parallel" block axis does not promise (Pallas'
+TPU interpreter runs parallel axes in a shuffled order and rejected the first version, grid ``(nb, N/bn, K/bk)``
+with the block axis parallel, with "Revisited block ... of output 0"). Megacore (v5p) therefore splits column
+tiles; tpu7x shows each TensorCore as its own device, v5e and v6e have one.
+
+Tiles (``TILES``, by ``jax.Device.device_kind``; ``tile_shape``). Nothing here has run on a TPU yet: the budgets
+below are libtpu's own accounting (the smallest ``vmem_limit_bytes`` at which the two kernels compile,
+deviceless, 2026-12-06), not timings.
+- A grid step streams one ``[bk, bn]`` weight tile (two for gate/up) and pays ~0.35 us of pipeline overhead, so
+  each kernel gets ``area = bk * bn = 2^20`` weights per step (512 KiB of words per matrix; 1.3 us of HBM time
+  on v5e, 0.6 us on v6e): bn up to ``block_n``, bk filling the area in multiples of 256 inputs (one chunk of the
+  layout; the K tiles must divide the padded K, whose chunks come in 256s); where bk is the whole K (down under
+  TP-8, K = F = 256) bn widens instead. K2.6 (D = 7168) at TP-8 (F = 256): gate/up (bk, bn) = (3584, 256), down
+  (256, 3584); at EP (F = 2048): gate/up (3584, 256) on v5e and (1792, 512) elsewhere, down (2048, 512).
+- ``block_n`` 256 on v5e ("TPU v5 lite": 128x128 MXUs, 16 MiB scoped VMEM by default), 512 on v6e ("TPU v6
+  lite": 256x256 MXU, 32 MiB), v5p ("TPU v5", 32 MiB) and tpu7x ("TPU7x", 64 MiB VMEM per core): 1-2 KiB
+  contiguous per word row DMA'd, a multiple of the MXU's width.
+- VMEM at K2.6 shapes (bf16, libtpu's figure, max of the two kernels): v5e 4.3 MiB at 16-row blocks, 9.9 MiB at
+  256; v6e 2.3 and 8.3 MiB; v5p 4.3 and 9.9 MiB. All under the default scoped limits, so no ``vmem_limit_bytes``
+  is set. v5e/v5p need ~2x v6e's: no bf16 VPU there, the dequantization's temporaries are float32. (The per-step
+  sum of the double-buffered blocks and scratch: gate/up ``2 * (bm*bk*a + 2*bk/8*bn*4 + 2*bk/32*bn*2 +
+  bm*bn*a) + 2*bm*bn*4 + bk*bn*a``, ``a`` = activation bytes; down likewise with one matrix, float32 out.)
+- The Mosaic TPU (8, 128) rule: every block's last two dims are multiples of (8, 128) or the whole dim. bn is a
+  multiple of 128 or the whole N (``tpu_supports`` refuses N above 128 that is not a multiple of 128, which would
+  make one unbounded tile); bk / 8 word rows are multiples of 32. The bf16 scale tile has bk / 32 rows, e.g. 56
+  at bk = 1792 or 8 at bk = 256: not a multiple of bf16's 16-row packing, and libtpu took it for every target.
+- The row block ``bm`` (``TPU_BLOCK_M``): a power of two from 16 (bf16 packs 16 rows per sublane tile) to 256
+  (bounding the x and out blocks in VMEM), near the mean rows per touched expert (``routing.default_block_m``).
+
+libtpu rejected nothing of the kernel code itself at these shapes; what it did reject is an undersized scoped
+VMEM limit ("CompileTimeScopedVmemOom ... Scoped allocation with size"), which is how the budgets above were read.
+
+Not yet done: a run on a TPU (timings; whether the VPU dequantization, ~6 vector ops per weight, or HBM bounds
+a decode step: on v5e it is likely the VPU); the gathered rows are a copy of ``x`` per (token, slot) with padding
+rows (15/16 of them at a 17-token verify with 16-row blocks), DMA'd once per column tile.
 """
 
 from __future__ import annotations
@@ -61,7 +84,7 @@ from kimi_jax.ops.numerics import F32
 
 TPU_BLOCK_M = (16, 256)       # min, max rows per block
 LANES = 128                   # a vreg's lanes: output tiles come in multiples of 128 columns
-K_STEP = 256
+K_STEP = 256                  # K tiles in whole chunks of the layout (256 inputs = 32 word rows, 8 scale rows)
 DTYPES = ("bfloat16", "float32")
 
 
@@ -71,7 +94,7 @@ class Tiles:
     area: int          # weights per tile (bk * bn): what one grid step streams and dequantizes
 
 
-DEFAULT_KIND = "TPU v5 lite"
+DEFAULT_KIND = "TPU v5 lite"  # the smallest scoped VMEM (16 MiB): its tiles fit every generation
 TILES = {"TPU v5 lite": Tiles(256, 1 << 20), "TPU v6 lite": Tiles(512, 1 << 20), "TPU v5": Tiles(512, 1 << 20),
          "TPU7x": Tiles(512, 1 << 20)}
 
@@ -106,6 +129,7 @@ def _dequantize(words_ref, scales_ref, w_ref) -> None:
             w_ref[rows, :] = (q.astype(F32) * scales[i:i + 1, :]).astype(w_ref.dtype)
 
 
+# The kernels take both scalar-prefetch refs first (the index maps read the experts; the kernels the used count).
 def _gate_up_kernel(block_expert_ref, used_ref, x_ref, w_ref, s_ref, h_ref, acc_ref, wdq_ref):
     k, nk = pl.program_id(2), pl.num_programs(2)
 
@@ -184,7 +208,9 @@ def _expert_matmul(kernel, xs, w, s, block_expert, used, *, bm: int, tiles: Tile
 def int4_moe_tpu(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
                  interpret: bool = False, block_m: int | None = None, device_kind: str | None = None) -> jax.Array:
     """Routed experts of one MoE layer on a TPU: ``x [T, D]`` (bf16 or float32), ``topk_idx [T, k]``,
-    ``topk_weight [T, k]`` -> float32 ``[T, D]``. ``interpret=True``: Pallas TPU interpret mode (any platform);
+    ``topk_weight [T, k]`` -> float32 ``[T, D]``. ``interpret=True``: Pallas' TPU interpreter (any platform;
+    ``pltpu.InterpretParams``: it simulates the pipeline's DMAs, fills uninitialized VMEM with NaN and refuses
+    revisited output blocks, which plain ``interpret=True``, the generic HLO interpreter, does not check);
     ``block_m``: rows per block (``tpu_supports``); ``device_kind``: the TPU whose ``TILES`` to use (None:
     ``DEFAULT_KIND``)."""
     call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)
