@@ -39,19 +39,23 @@ Tiles (``TILES``, by ``jax.Device.device_kind``; ``tile_shape``). Nothing here h
 below are libtpu's own accounting (the smallest ``vmem_limit_bytes`` at which the two kernels compile,
 deviceless, 2026-12-06), not timings.
 - A grid step streams one ``[bk, bn]`` weight tile (two for gate/up) and pays ~0.35 us of pipeline overhead, so
-  each kernel gets ``area = bk * bn = 2^20`` weights per step (512 KiB of words per matrix; 1.3 us of HBM time
-  on v5e, 0.6 us on v6e): bn up to ``block_n``, bk filling the area in multiples of 256 inputs (one chunk of the
-  layout; the K tiles must divide the padded K, whose chunks come in 256s); where bk is the whole K (down under
-  TP-8, K = F = 256) bn widens instead. K2.6 (D = 7168) at TP-8 (F = 256): gate/up (bk, bn) = (3584, 256), down
-  (256, 3584); at EP (F = 2048): gate/up (3584, 256) on v5e and (1792, 512) elsewhere, down (2048, 512).
+  each kernel gets ``area = bk * bn = 2^20`` weights per step (512 KiB of words per matrix: 0.64 us of v5e's
+  819 GB/s, 0.32 us of v6e's 1.6 TB/s; gate/up streams two): bn up to ``block_n``, bk filling the area in
+  multiples of 256 inputs (one chunk of the layout; the K tiles must divide the padded K, whose chunks come in
+  256s); where bk is the whole K (down under TP-8, K = F = 256) bn widens instead. K2.6 (D = 7168) at TP-8
+  (F = 256): gate/up (bk, bn) = (3584, 256), down (256, 3584); at EP (F = 2048): gate/up (3584, 256) on v5e and
+  (1792, 512) on v6e and tpu7x, down (2048, 512); v5p below.
 - ``block_n`` 256 on v5e ("TPU v5 lite": 128x128 MXUs, 16 MiB scoped VMEM by default), 512 on v6e ("TPU v6
-  lite": 256x256 MXU, 32 MiB), v5p ("TPU v5", 32 MiB) and tpu7x ("TPU7x", 64 MiB VMEM per core): 1-2 KiB
-  contiguous per word row DMA'd, a multiple of the MXU's width.
-- VMEM at K2.6 shapes (bf16, libtpu's figure, max of the two kernels): v5e 4.3 MiB at 16-row blocks, 9.9 MiB at
-  256; v6e 2.3 and 8.3 MiB; v5p 4.3 and 9.9 MiB. All under the default scoped limits, so no ``vmem_limit_bytes``
-  is set. v5e/v5p need ~2x v6e's: no bf16 VPU there, the dequantization's temporaries are float32. (The per-step
-  sum of the double-buffered blocks and scratch: gate/up ``2 * (bm*bk*a + 2*bk/8*bn*4 + 2*bk/32*bn*2 +
-  bm*bn*a) + 2*bm*bn*4 + bk*bn*a``, ``a`` = activation bytes; down likewise with one matrix, float32 out.)
+  lite": 256x256 MXU, 32 MiB) and tpu7x ("TPU7x", 64 MiB VMEM per core): 1-2 KiB contiguous per word row DMA'd,
+  a multiple of the MXU's width. 128 on v5p ("TPU v5", 32 MiB): megacore splits the column tiles between its two
+  TensorCores, and at TP-8 gate/up has F = 256 columns: two 128-column tiles (bk then the whole 7168) keep both
+  cores streaming, where one 256-column tile would leave one core idle through gate/up.
+- VMEM at K2.6 shapes (bf16, libtpu's figure, max of the two kernels, 16-row / 256-row blocks): v5e 4.3 / 9.9
+  MiB, v6e 2.3 / 8.3, v5p 4.2 / 11.3, tpu7x 2.3 / 8.3. All under the default scoped limits, so no
+  ``vmem_limit_bytes`` is set. v5e/v5p need ~2x v6e's: no bf16 VPU there, the dequantization's temporaries are
+  float32. (The per-step sum of the double-buffered blocks and scratch: gate/up ``2 * (bm*bk*a + 2*bk/8*bn*4 +
+  2*bk/32*bn*2 + bm*bn*a) + 2*bm*bn*4 + bk*bn*a``, ``a`` = activation bytes; down likewise with one matrix,
+  float32 out.)
 - The Mosaic TPU (8, 128) rule: every block's last two dims are multiples of (8, 128) or the whole dim. bn is a
   multiple of 128 or the whole N (``tpu_supports`` refuses N above 128 that is not a multiple of 128, which would
   make one unbounded tile); bk / 8 word rows are multiples of 32. The bf16 scale tile has bk / 32 rows, e.g. 56
@@ -95,7 +99,7 @@ class Tiles:
 
 
 DEFAULT_KIND = "TPU v5 lite"  # the smallest scoped VMEM (16 MiB): its tiles fit every generation
-TILES = {"TPU v5 lite": Tiles(256, 1 << 20), "TPU v6 lite": Tiles(512, 1 << 20), "TPU v5": Tiles(512, 1 << 20),
+TILES = {"TPU v5 lite": Tiles(256, 1 << 20), "TPU v6 lite": Tiles(512, 1 << 20), "TPU v5": Tiles(128, 1 << 20),
          "TPU7x": Tiles(512, 1 << 20)}
 
 
