@@ -40,6 +40,7 @@ def fresh_tpu_interpret_state():
     (17, 8, "random", None),      # a 17-token verify: 136 pairs, 32-row blocks (default_block_m)
     (37, 2, "one_expert", 64),    # one expert gets every token: two 64-row blocks of one expert, back to back
     (32, 2, "few", None),         # two experts used: 4 of 11 blocks used, the other 7 skipped
+    (20, 1, "few", 256),          # the largest row block, top-1
 ])
 def test_matches_reference(t, k, kind, block_m):
     ex = random_experts(0)
