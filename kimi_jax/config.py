@@ -131,7 +131,7 @@ LEGACY_RUNTIME_FIELDS = ("moe_impl", "attn_impl")
 
 # The kernel implementations a Runtime (and each op's ``impl=``) may name; what each means, and which one "auto"
 # takes for a call, is kimi_jax.ops.registry's. Here because config is the bottom layer: ops import it from here.
-IMPLS = ("auto", "xla", "pallas", "mosaic")
+IMPLS = ("auto", "xla", "pallas", "mosaic", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)

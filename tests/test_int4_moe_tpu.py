@@ -1,7 +1,6 @@
 """int4_moe's Pallas TPU kernels (kimi_jax.ops.int4_moe.pallas_tpu): Pallas TPU interpret mode on the CPU against
 the dense reference, their rules, and deviceless libtpu compiles for v5e, v6e, v5p and tpu7x at K2.6 slice shapes."""
 
-import os
 import re
 
 import jax
@@ -130,11 +129,7 @@ KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "tpu7x": "
 
 
 def compile_device(target):
-    if target != "tpu7x":       # not in targets.TARGETS yet
-        return targets.compile_devices(target, 1)[0]
-    from jax.experimental import topologies
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")     # as targets.compile_devices does
-    return topologies.get_topology_desc(topology_name="tpu7x:2x2x1", platform="tpu").devices[0]
+    return targets.compile_devices(target, 1)[0]
 
 
 def compile_k26(target, e, f, tokens, k=8, d=7168) -> str:

@@ -3,12 +3,13 @@ DDTree generate program, with the default Runtime (impl "auto"), holds the GPU k
 from this CPU, and none when lowered for the CPU. No monkeypatching: the real compiler decides what it got."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kimi_jax
 from kimi_jax.analysis import targets
-from kimi_jax.analysis.targets import MOSAIC_CALL, TRITON_CALL
+from kimi_jax.analysis.targets import MOSAIC_CALL, TPU_CALL, TRITON_CALL
 from kimi_jax.decoding import engine
 from kimi_jax.model.compute_layout import compute_params
 from kimi_jax.ops.int4_moe.api import int4_moe
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 ROOT = FIXTURES.parent.parent
 TARGET, DRAFTER = ROOT / "checkpoints" / "target", ROOT / "checkpoints" / "drafter"
 GPU_MISSING = targets.compiler_missing("h200")
+TPU_MISSING = targets.compiler_missing("v5e")
 
 
 def _abstract(tree):
@@ -141,6 +143,29 @@ def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
 
 
 @pytest.mark.compile
+@pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
+@pytest.mark.parametrize("target", ["v5e"] + [pytest.param(t, marks=pytest.mark.slow) for t in ("v6e", "v5p", "tpu7x")])
+def test_each_tpu_gets_its_kernels_in_a_k26_round(target):
+    """The K2.6 round (3 layers, TP-8) lowered for an 8-device slice of each TPU generation under the default
+    Runtime: per MoE layer the INT4 experts' two Pallas TPU kernels, per layer the tree attention's one; no GPU
+    kernel. v5e's compiles with libtpu."""
+    lowered, layers, moe = _k26_round("auto", target)
+    text = lowered.as_text()
+    assert (text.count(TPU_CALL), text.count(TRITON_CALL), text.count(MOSAIC_CALL)) == (2 * moe + layers, 0, 0)
+    if target == "v5e":
+        assert lowered.compile().as_text().count(TPU_CALL) == 2 * moe + layers
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
+@pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
+def test_the_embedded_generate_program_gets_tpu_kernels_on_a_tpu():
+    lowered = _generate_program("auto")
+    assert TPU_CALL not in lowered(None).as_text()
+    assert lowered(targets.compile_mesh("v5e", 1)).as_text().count(TPU_CALL) >= 3
+
+
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_the_mosaic_k26_round_compiles_for_h200():
@@ -162,6 +187,31 @@ def test_mosaic_outside_a_gpu_lowering_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="lowered for a GPU"):
         latent_attention(q, q[..., :16], np.zeros((1, 64, 48), np.float32), np.asarray([4], np.int32),
                          np.ones((1, 2, 2), bool), 0.1, impl="mosaic")
+    with pytest.raises(ValueError, match="lowered for a TPU"):          # and the Pallas TPU kernels
+        int4_moe(x, np.zeros((3, 2), np.int32), np.ones((3, 2), np.float32), experts, impl="tpu")
+    with pytest.raises(ValueError, match="lowered for a TPU"):
+        latent_attention(q, q[..., :16], np.zeros((1, 64, 48), np.float32), np.asarray([4], np.int32),
+                         np.ones((1, 2, 2), bool), 0.1, impl="tpu")
+
+
+@pytest.mark.interpret
+def test_tpu_kernels_in_interpret_mode_through_the_entry_points():
+    """impl="tpu", interpret=True: the Pallas TPU kernels in TPU interpret mode on the CPU, with the XLA path's
+    numbers (the kernels' own tests check them against the references over their shape space)."""
+    from kimi_jax.ops.int4_format import Int4Experts
+    rng = np.random.default_rng(1)
+    e, d, f, t, k = 4, 256, 256, 5, 2
+    experts = Int4Experts.quantize(*(rng.standard_normal(s, np.float32) for s in ((e, d, f), (e, d, f), (e, f, d))))
+    x, ids = rng.standard_normal((t, d)).astype(np.float32), rng.integers(0, e, (t, k)).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    got, want = (np.asarray(int4_moe(x, ids, w, experts, impl=i, interpret=i == "tpu")) for i in ("tpu", "xla"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    q, qpe = rng.standard_normal((1, 3, 2, 32), np.float32), rng.standard_normal((1, 3, 2, 16), np.float32)
+    kv, lengths, mask = jnp.asarray(rng.standard_normal((1, 64, 48), np.float32)), np.asarray([10], np.int32), \
+        np.tril(np.ones((1, 3, 3), bool))
+    got, want = (np.asarray(latent_attention(q, qpe, kv, lengths, mask, 0.1, impl=i, interpret=i == "tpu"))
+                 for i in ("tpu", "xla"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_hopper_is_read_from_the_device_kind():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from kimi_jax.analysis import targets
-from kimi_jax.analysis.targets import MOSAIC_CALL, TRITON_CALL
+from kimi_jax.analysis.targets import MOSAIC_CALL, TPU_CALL, TRITON_CALL
 from kimi_jax.ops import registry
 from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.api import int4_moe
@@ -25,8 +25,9 @@ from kimi_jax.ops.tree_attention.rules import MAX_TREE_TOKENS, TREE_ATTENTION, A
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 GPUS = ("h100", "h200", "b200", "b300", "rtx_pro_6000")
 HOPPER = ("h100", "h200")
-LOWERINGS = {**{n: Lowering("cuda", targets.get_target(n).device_kind) for n in GPUS},
-             "v5e": Lowering("tpu"), "cpu": Lowering("cpu")}
+TPUS = ("v5e", "v6e", "v5p", "tpu7x")
+LOWERINGS = {**{n: Lowering(targets.get_target(n).platform, targets.get_target(n).device_kind) for n in GPUS + TPUS},
+             "cpu": Lowering("cpu")}
 GPU_MISSING = targets.compiler_missing("h100")
 TPU_MISSING = targets.compiler_missing("v5e")
 
@@ -60,16 +61,18 @@ def test_tree_attention_over_the_grid():
         for target, lowering in LOWERINGS.items():
             name = decide(TREE_ATTENTION, call, lowering)
             picks.setdefault((target, name), call)
-            if lowering.platform != "cuda" or t > MAX_TREE_TOKENS or dtype == "float32":
+            if lowering.platform == "tpu":    # the TPU kernel takes every tree call of these shapes
+                assert name == ("tpu" if t <= MAX_TREE_TOKENS else "xla"), (target, call)
+            elif lowering.platform != "cuda" or t > MAX_TREE_TOKENS or dtype == "float32":
                 assert name == "xla"
             else:                           # every GPU's kernels take every 16-bit tree call
                 assert name != "xla" or page % 16 or page & (page - 1), (target, call)
             dims = p == 64 and r % 64 == 0 and dtype == "bfloat16" and page in (0, 64)     # wgmma's tiles
             tma = (t * h <= 8 or t * h % 8 == 0) and (page > 0 or s < 64 or s % 8 == 0)
             assert (name == "mosaic") == (target in HOPPER and t <= MAX_TREE_TOKENS and dims and tma), (target, call)
-    # every target's kernels serve some call: Hopper both, the other GPUs Triton's, CPU and TPU XLA only
+    # every target's kernels serve some call: Hopper both, the other GPUs Triton's, TPUs theirs, the CPU XLA only
     assert {k for k in picks} == {(g, n) for g in GPUS for n in ("pallas", "xla")} | \
-        {(g, "mosaic") for g in HOPPER} | {("v5e", "xla"), ("cpu", "xla")}
+        {(g, "mosaic") for g in HOPPER} | {(g, n) for g in TPUS for n in ("tpu", "xla")} | {("cpu", "xla")}
 
 
 def test_the_issue_38_call_is_not_given_to_mosaic():
@@ -95,6 +98,8 @@ def test_int4_moe_and_router_over_the_grid():
         name = decide(INT4_MOE, call, lowering)
         mosaic_ok = dtype != "float32" and f % 64 == 0 and d % 128 == 0 and bm in (None, 8, 16, 32, 64)
         assert (name == "mosaic") == (target in HOPPER and mosaic_ok), (target, call)
+        tpu_ok = dtype != "float16" and all(n % 128 == 0 or n <= 128 for n in (d, f)) and bm != 8
+        assert (name == "tpu") == (target in TPUS and tpu_ok), (target, call)
         assert name != "xla" or lowering.platform != "cuda" or bm == 8           # Triton's blocks start at 16
     for (d, e, k), dtype, target in itertools.product([(7168, 384, 8), (7168, 384, 6), (7000, 384, 8), (128, 16, 2),
                                                        (128, 24, 2)], ("bfloat16", "float32"), LOWERINGS):
@@ -129,7 +134,8 @@ def _lower(target: str, fn, *args):
 
 
 def _kernel_in(text: str) -> str:
-    return "mosaic" if MOSAIC_CALL in text else "pallas" if TRITON_CALL in text else "xla"
+    return ("mosaic" if MOSAIC_CALL in text else "pallas" if TRITON_CALL in text else
+            "tpu" if TPU_CALL in text else "xla")
 
 
 def _attention(target: str, call: AttentionCall, impl: str = "auto"):
@@ -232,13 +238,26 @@ def test_int4_moe_and_router_compile_what_auto_picks(target, t, d, f, dtype):
     router.compile(targets.compiler_options(target))
 
 
-@pytest.mark.slow
+# (target, attention call): K2.6's heads per chip at TP-8 and TP-16, decode and trees, contiguous and paged,
+# and a prefill (XLA's), on every TPU generation
+TPU_ATTENTION = [(g, AttentionCall(tokens=t, heads=h, **{**K2, "page": page})) for g in TPUS
+                 for t, h, page in [(17, 8, 0), (1, 4, 64)]] + [("v5e", AttentionCall(tokens=257, heads=1, **SHORT))]
+TPU_ATTENTION = [pytest.param(*sample, marks=() if i == 0 else pytest.mark.slow)         # one in the fast loop
+                 for i, sample in enumerate(TPU_ATTENTION)]
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
-def test_tpu_lowers_the_xla_paths():
-    call = AttentionCall(tokens=17, heads=4, **K2)
-    assert TREE_ATTENTION.resolve(call, LOWERINGS["v5e"]) == "xla"
-    assert _kernel_in(_attention("v5e", call).as_text()) == "xla"
+@pytest.mark.parametrize("target,call", TPU_ATTENTION, ids=_ids(p.values for p in TPU_ATTENTION))
+def test_tpu_compiles_what_auto_picks(target, call):
+    """Through the public entry points (impl="auto") lowered for a TPU: the Pallas TPU tree attention and INT4 MoE
+    kernels where their rules take the call (XLA otherwise), compiled by libtpu."""
+    lowered = _attention(target, call)
+    assert _kernel_in(lowered.as_text()) == TREE_ATTENTION.resolve(call, LOWERINGS[target])
+    lowered.compile()
+    moe = _lower(target, lambda *a: int4_moe(*a), *_moe_args(call.tokens, 8, 384, 7168, 256, jnp.bfloat16))
+    assert moe.as_text().count(TPU_CALL) == 2                   # gate/up and down
+    moe.compile()
 
 
 def test_docs_table_is_the_registrys():

@@ -64,6 +64,11 @@ def test_topologies():
     assert targets.topology("v5e", 4) == "v5e:2x2" and targets.topology("v6e", 16) == "v6e:4x4"
     assert [targets.topology("v5p", n) for n in (4, 8, 16, 64)] == \
         ["v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:4x4x4"]
+    # tpu7x: two devices (TensorCores) a chip; one device is a chip's first
+    assert [targets.topology("tpu7x", n) for n in (1, 2, 8, 16)] == \
+        ["tpu7x:1x1x1", "tpu7x:1x1x1", "tpu7x:2x2x1", "tpu7x:2x2x2"]
+    with pytest.raises(TargetError, match="2 a chip"):
+        targets.topology("tpu7x", 3)
     with pytest.raises(TargetError, match="multiple of 8"):
         targets.topology("h200", 12)
     with pytest.raises(TargetError, match="powers of two"):

@@ -2,7 +2,6 @@
 CPU against the dense oracle, deviceless libtpu compiles for v5e, v5p, v6e and TPU7x at K2.6 slice shapes, and
 the rules of ``tpu_supports``."""
 
-import os
 import re
 
 import jax
@@ -117,11 +116,6 @@ def test_chain_bf16_out_dtype():
 
 
 def compile_device(target):
-    if target == "tpu7x":       # not in kimi_jax.analysis.targets.TARGETS yet
-        from jax.experimental import topologies
-
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        return topologies.get_topology_desc(topology_name="tpu7x:2x2x1", platform="tpu").devices[0]
     return targets.compile_devices(target, 1)[0]
 
 

@@ -38,6 +38,7 @@ from jax.sharding import AxisType, Mesh
 SPECS = pathlib.Path(__file__).with_name("target_specs")
 TRITON_CALL = "__gpu$xla.gpu.triton"      # custom call target of a Pallas (Triton) kernel in compiled GPU HLO
 MOSAIC_CALL = "mosaic_gpu_v2"              # and of a Mosaic GPU kernel
+TPU_CALL = "tpu_custom_call"               # and of a Pallas TPU (Mosaic TPU) kernel
 GPUS_PER_HOST = 8
 
 
@@ -97,7 +98,12 @@ TARGETS: dict[str, Target] = {
     "v5e": Target("v5e", "tpu", "TPU v5 lite", 16 * 10**9, 1, source=_TPU_DOCS.format("v5e")),
     "v6e": Target("v6e", "tpu", "TPU v6 lite", 32 * 10**9, 1, source=_TPU_DOCS.format("v6e")),
     "v5p": Target("v5p", "tpu", "TPU v5", 95 * 10**9, 2, source=_TPU_DOCS.format("v5p")),
+    # Ironwood: 192 GB of HBM a chip, and jax's devices are its two TensorCores (libtpu: 2 devices a chip, one
+    # core each), so a device holds half a chip's memory
+    "tpu7x": Target("tpu7x", "tpu", "TPU7x", 96 * 10**9, 1,
+                    source=_TPU_DOCS.format("tpu7x") + "; libtpu: 2 devices a chip"),
 }
+TPU7X_DEVICES_PER_CHIP = 2
 
 
 def get_target(target: str | Target) -> Target:
@@ -130,7 +136,8 @@ def compiler_missing(target: str | Target) -> str | None:
 
 def topology(target: str | Target, devices: int) -> str:
     """The topology string of ``devices`` devices: GPUs 'PxHxD' (partitions x hosts x devices per host, at most
-    8 per host: 16 -> '1x2x8'); TPUs 'v5e:4x4' / 'v5p:2x2x4' (power-of-two slices, the shapes Cloud TPU sells)."""
+    8 per host: 16 -> '1x2x8'); TPUs 'v5e:4x4' / 'v5p:2x2x4' (power-of-two slices, the shapes Cloud TPU sells;
+    tpu7x: chips of 2 devices, 'tpu7x:2x2x1' is 8)."""
     t = get_target(target)
     if devices < 1:
         raise TargetError(f"{t.name}: devices must be >= 1, got {devices}")
@@ -140,10 +147,15 @@ def topology(target: str | Target, devices: int) -> str:
                               f"{GPUS_PER_HOST} (or at most {GPUS_PER_HOST})")
         per_host = min(devices, GPUS_PER_HOST)
         return f"1x{devices // per_host}x{per_host}"
-    k = devices.bit_length() - 1
-    if devices != 1 << k:
-        raise TargetError(f"{t.name}: TPU slices come in powers of two chips, got {devices}")
-    if t.name != "v5p":                                   # 2D torus: 1x2, 2x2, 2x4, 4x4, 4x8, ..., 16x16
+    chips = devices
+    if t.name == "tpu7x":                  # a device is half a chip; one device: one chip's first
+        if devices > 1 and devices % TPU7X_DEVICES_PER_CHIP:
+            raise TargetError(f"{t.name}: devices come {TPU7X_DEVICES_PER_CHIP} a chip, got {devices}")
+        chips = max(1, devices // TPU7X_DEVICES_PER_CHIP)
+    k = chips.bit_length() - 1
+    if chips != 1 << k:
+        raise TargetError(f"{t.name}: TPU slices come in powers of two chips, got {chips}")
+    if t.name not in ("v5p", "tpu7x"):                    # 2D torus: 1x2, 2x2, 2x4, 4x4, 4x8, ..., 16x16
         exps = [k // 2, k - k // 2]
     elif k == 2:                                          # 3D torus: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
         exps = [1, 1, 0]
@@ -169,7 +181,7 @@ def compile_devices(target: str | Target, devices: int) -> list:
         desc = topologies.get_topology_desc(platform="cuda", target_config=t.spec, topology=topo)
     else:
         desc = topologies.get_topology_desc(topology_name=topo, platform="tpu")
-    return list(desc.devices)
+    return list(desc.devices)[:devices]     # one tpu7x device: the first of a chip's two
 
 
 def _axes(axes, devices: int | None) -> dict[str, int]:

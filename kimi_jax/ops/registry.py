@@ -11,26 +11,30 @@ supports the call; ``docs/design.md``'s table of rules is generated from here (`
 ``kimi_jax.config.IMPLS``):
 
 * ``"auto"`` (the default): in a program lowered for a GPU (cuda), the first of the target's preference that
-  supports the call (Hopper: Mosaic GPU, Pallas Triton, XLA; other GPUs: Pallas Triton, XLA); XLA in a program
-  lowered for a CPU or a TPU;
+  supports the call (Hopper: Mosaic GPU, Pallas Triton, XLA; other GPUs: Pallas Triton, XLA); for a TPU, the
+  Pallas TPU kernels, then XLA; XLA in a program lowered for a CPU;
 * ``"pallas"``: the Pallas Triton kernels on every GPU; on other platforms the same kernels in Pallas interpret
   mode (their own code run as plain HLO, which is how the tests check them on a CPU);
 * ``"xla"``: the XLA path everywhere;
 * ``"mosaic"``: the Mosaic GPU kernels in a program lowered for a GPU, Pallas' GPU interpret mode with
   ``interpret=True``, refused elsewhere (``select.mosaic_lowering``). An op without a Mosaic kernel names the
   implementation that serves it instead (``Op.stand_ins``: the router's Triton kernels).
+* ``"tpu"``: the Pallas TPU (Mosaic TPU) kernels in a program lowered for a TPU, Pallas' TPU interpret mode
+  (``pltpu.InterpretParams``) with ``interpret=True``, refused elsewhere (``tpu_lowering``); ops without a TPU
+  kernel (the router) are served by XLA.
 
 A forced implementation (anything but "auto") that does not support a call is an error naming the reason, never
 a fallback. ``interpret=True`` runs the Pallas kernel in interpret mode on every platform.
 
-The choice is ``jax.lax.platform_dependent``: every candidate is traced, only the one for the platform the
-program is lowered for is lowered. So a program lowered for cuda on a CPU host (``kimi_jax.analysis.targets``)
-holds the GPU kernels, and the same jitted function lowered for cpu holds none. Within cuda, the GPU it is
-lowered for (``select.lowering_gpu``: the compile-only target's device kind, or this process's GPU) picks the
-implementation at trace time. (Choosing by ``jax.default_backend()`` at trace time once made a cuda program
-lowered on a CPU host silently carry interpret-mode loops.) Mosaic GPU kernels are never a forced choice inside
-``platform_dependent`` (the GPU interpreter's io_callbacks are effects, which one branch of a cond cannot have
-alone): impl="mosaic" is lowered directly.
+The choice is ``jax.lax.platform_dependent``: every candidate is traced, only the one for the platform the program is
+lowered for is lowered. So a program lowered for cuda on a CPU host (``kimi_jax.analysis.targets``) holds the GPU
+kernels, and the same jitted function lowered for cpu holds none. Within cuda, the GPU it is lowered for
+(``select.lowering_gpu``: the compile-only target's device kind, or this process's GPU) picks the implementation at
+trace time; within tpu, the TPU (``select.lowering_tpu``) picks the kernels' tiles. (Choosing by
+``jax.default_backend()`` at trace time once made a cuda program lowered on a CPU host silently carry interpret-mode
+loops.) Mosaic GPU and Pallas TPU kernels are never a forced choice inside ``platform_dependent`` (the interpreters'
+io_callbacks are effects, which one branch of a cond cannot have alone): impl="mosaic" and impl="tpu" are lowered
+directly.
 
 Why the preference is what it is (none of these kernels has run on a GPU yet: interpret mode checks their
 numbers, the real compilers their code; ``bench.gpu_check`` times them side by side):
@@ -42,7 +46,10 @@ numbers, the real compilers their code; ``bench.gpu_check`` times them side by s
   Mosaic GPU hands ptxas the arch of the first kernel a process compiles, so "auto" on B200 would break any
   process that also compiles for H200 (the sweep, the tests). Attention: no tcgen05 version.
 * RTX PRO 6000 (sm_120): Pallas Triton (no wgmma), with its own tiles (``TILES`` in each kernel module).
-* CPU, TPU: XLA (no TPU kernels written).
+* TPU (v5e, v6e, v5p, TPU7x): the Pallas TPU kernels (INT4 MoE, tree attention; tiles per generation in each
+  kernel's ``TILES``), XLA for the router, placement and merge; compiled deviceless with libtpu, never run on
+  a TPU.
+* CPU: XLA.
 
 The Triton backend is deprecated since JAX 0.11. When it goes, Hopper keeps both Mosaic kernels and needs the
 router, placement and merge on XLA (~8 launches a MoE layer and 1 a layer more) or in Mosaic GPU; Blackwell needs
@@ -59,7 +66,7 @@ from typing import Any, Callable
 import jax
 
 from kimi_jax.config import IMPLS
-from kimi_jax.ops.select import hopper, lowering_gpu, mosaic_lowering
+from kimi_jax.ops.select import hopper, lowering_gpu, lowering_tpu, mosaic_lowering
 
 # The modules that register the ops (``all_ops`` imports them: an op's module defines its calls and rules)
 OP_MODULES = ("kimi_jax.ops.int4_moe.rules", "kimi_jax.ops.int4_moe.pallas_triton", "kimi_jax.ops.tree_attention.rules",
@@ -82,14 +89,33 @@ class Lowering:
     def compiles_for_gpu(self) -> bool:
         return self.platform == "cuda" and self.device_kind is not None and not self.interpret
 
+    @property
+    def compiles_for_tpu(self) -> bool:
+        return self.platform == "tpu" and self.device_kind is not None and not self.interpret
+
 
 def gpu(interpret: bool = False) -> Lowering:
     """The cuda lowering being traced: the GPU of ``select.lowering_gpu``."""
     return Lowering("cuda", lowering_gpu(), interpret)
 
 
+def tpu(interpret: bool = False) -> Lowering:
+    """The tpu lowering being traced: the TPU of ``select.lowering_tpu``."""
+    return Lowering("tpu", lowering_tpu(), interpret)
+
+
+def tpu_lowering(interpret: bool) -> None:
+    """impl="tpu" is not chosen through ``Op.dispatch``'s platform_dependent (module doc): the program must be
+    lowered for a TPU or run in TPU interpret mode."""
+    if not interpret and lowering_tpu() is None:
+        raise ValueError('impl="tpu" is lowered for a TPU (jax.set_mesh of a TPU mesh, or a process with a TPU), '
+                         "or runs with interpret=True (TPU interpret mode)")
+
+
 def preference(lowering: Lowering) -> tuple[str, ...]:
     """The implementations "auto" tries for a lowering, best first (module doc: why)."""
+    if lowering.platform == "tpu":
+        return ("tpu", "xla")
     if lowering.platform != "cuda":
         return ("xla",)
     if hopper(lowering.device_kind):
@@ -124,7 +150,7 @@ def always(call, lowering: Lowering) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    name: str              # "mosaic", "pallas" (Pallas Triton) or "xla"
+    name: str              # "mosaic", "pallas" (Pallas Triton), "tpu" (Pallas TPU) or "xla"
     supports: Supports     # None, or why not: a sentence a user can act on
     rules: str             # the supports conditions in words (docs/design.md's table)
 
@@ -170,11 +196,16 @@ class Op:
         ``impl`` resolves to on the platform the program is lowered for (module doc). Operands are pytrees; every
         implementation must return the same shapes and dtypes."""
         check_impl(impl)
-        if self.implementation(impl) is not None and self.implementation(impl).name == "mosaic":
+        served = self.implementation(impl).name if self.implementation(impl) is not None else impl
+        if served == "mosaic":
             mosaic_lowering(interpret)
             self.require(impl, call, gpu(bool(interpret)))
             return run["mosaic"](*operands, interpret=interpret)
-        if interpret and impl != "xla":
+        if served == "tpu":
+            tpu_lowering(interpret)
+            self.require(impl, call, tpu(bool(interpret)))
+            return run["tpu"](*operands, interpret=interpret)
+        if interpret and served != "xla":
             lowering = Lowering("default", interpret=True)
             return self._runner(self.require("pallas", call, lowering), lowering, run)(*operands)
 
@@ -182,8 +213,9 @@ class Op:
             name = self.resolve(call, lowering) if impl == "auto" else self.require(impl, call, lowering)
             return self._runner(name, lowering, run)
 
-        elsewhere = Lowering("default", interpret=impl != "auto")     # a forced kernel: interpret mode
-        return jax.lax.platform_dependent(*operands, cuda=on(gpu()), default=on(elsewhere))
+        forced = impl != "auto"                   # a forced GPU kernel off its GPU: interpret mode
+        return jax.lax.platform_dependent(*operands, cuda=on(gpu()), tpu=on(tpu(forced)),
+                                          default=on(Lowering("default", interpret=forced)))
 
     @staticmethod
     def _runner(name: str, lowering: Lowering, run: dict[str, Callable]) -> Callable:
@@ -203,4 +235,4 @@ def rules_table() -> str:
     rows = [row for op in ops for row in [(op.name, impl.name, impl.rules) for impl in op.implementations] +
             [(op.name, asked, f"served by {by} (no {asked} kernel of its own)") for asked, by in op.stand_ins]]
     return "\n".join(["| op | implementation | supports (preference: Hopper mosaic, pallas, xla; other GPUs pallas, "
-                      "xla; CPU, TPU xla) |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
+                      "xla; TPU tpu, xla; CPU xla) |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

@@ -1,6 +1,6 @@
-"""The GPU a kernel is being lowered for, read at trace time: its device kind, its architecture (``hopper``,
-``blackwell``) and the tiles a kernel picks for it (``lowering_tiles``). Which implementation serves a call is
-``kimi_jax.ops.registry``'s; the kernels read their tiles here.
+"""The GPU or TPU a kernel is being lowered for, read at trace time: its device kind, a GPU's architecture
+(``hopper``, ``blackwell``) and the tiles a kernel picks for it (``lowering_tiles``). Which implementation serves a
+call is ``kimi_jax.ops.registry``'s; the kernels read their tiles here.
 """
 
 from __future__ import annotations
@@ -18,6 +18,16 @@ def lowering_gpu() -> str | None:
     if device is not None and device.platform in ("gpu", "cuda"):
         return device.device_kind
     return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else None
+
+
+def lowering_tpu() -> str | None:
+    """The device kind of the TPU a kernel is being lowered for, read at trace time: the abstract mesh's device
+    (a compile-only target), else this process's TPU; None when neither is a TPU (the Pallas TPU kernels then
+    take their default tiles: a tpu branch traced in a program lowered for another platform)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform == "tpu":
+        return device.device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
 
 
 def pick_tiles(table: dict, device_kind: str | None):

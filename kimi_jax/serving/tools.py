@@ -154,10 +154,10 @@ class ToolPlan:
         return any(t.function.strict for t in self.declared.values())
 
     def reply_regex(self, content: str | None = None) -> str:
-        """The regex of every reply this request may get, K2's markers written as ``grammar.MARKER_CHARS``: a
-        forced call is the rest of its call section; "auto" is an optional thought, then any text and an optional
-        call section, or with ``content`` (the response format's regex) that content or a call section. A strict tool's arguments match its
-        ``parameters`` schema, another's are any text."""
+        """The regex of every reply this request may get, K2's markers written as ``grammar.MARKER_CHARS``: a forced
+        call is the rest of its call section; "auto" is an optional thought, then any text and an optional call
+        section, or with ``content`` (the response format's regex) that content or a call section. A strict tool's
+        arguments match its ``parameters`` schema, another's are any text."""
         m = MARKER_CHARS
         text = f"[^\\x00-{_escape(max(m.values()))}]*"        # any text without a marker
         calls = []

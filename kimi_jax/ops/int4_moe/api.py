@@ -7,7 +7,8 @@ up_e(x_t))`` with ``e = topk_idx[t, j]``, for the experts of one MoE layer in th
 
 impl="xla" (``xla.py``), impl="pallas" (``pallas_triton.py``: Triton kernels), impl="mosaic" (``mosaic_gpu.py``:
 TMA + wgmma for Hopper, tcgen05 for B200/B300, 16-bit activations; a program lowered for a GPU, or GPU interpret
-mode), or impl="auto": the first of the target's preference whose rules take the call (``kimi_jax.ops.registry``;
+mode), impl="tpu" (``pallas_tpu.py``: Pallas TPU grouped matmuls, the weights dequantized in VMEM; a program
+lowered for a TPU, or TPU interpret mode), or impl="auto": the first of the target's preference whose rules take the call (``kimi_jax.ops.registry``;
 the rules: ``rules.py``). All group the pairs by expert the same way (``routing.py``; the GPU
 paths place up to ``PLACE_MAX_PAIRS`` pairs with one Triton kernel, the same placement exactly);
 ``reference.py`` is the oracle they are tested against.
@@ -24,7 +25,9 @@ from kimi_jax.ops.int4_format import CHUNK, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, experts_pallas, place
 from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
 from kimi_jax.ops.int4_moe.rules import INT4_MOE, MoeCall
+from kimi_jax.ops.int4_moe.pallas_tpu import int4_moe_tpu
 from kimi_jax.ops.int4_moe.xla import XLA_BLOCK_M, experts_xla
+from kimi_jax.ops.select import lowering_tpu
 
 
 
@@ -50,7 +53,7 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
     """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
 
-    ``impl``: "auto", "xla", "pallas" or "mosaic", resolved for the platform the program is lowered for
+    ``impl``: "auto", "xla", "pallas", "mosaic" or "tpu", resolved for the platform the program is lowered for
     (``kimi_jax.ops.registry``; a forced one that does not take the call is an error saying why);
     ``interpret=True`` forces Pallas interpret mode. ``block_m`` overrides the row
     block (a power of two; >= 16 for pallas; 8, 16, 32 or 64 for mosaic).
@@ -79,7 +82,11 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
             out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret)
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
+    def tpu(x, topk_idx, topk_weight, experts, interpret=False):
+        return int4_moe_tpu(x, topk_idx, topk_weight, experts, interpret=interpret, block_m=block_m,
+                            device_kind=lowering_tpu())
+
     call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)
     return INT4_MOE.dispatch(call, (x, topk_idx, topk_weight, experts), impl=impl, interpret=interpret,
-                             run={"xla": functools.partial(run, kernel="xla"), "mosaic": mosaic,
+                             run={"xla": functools.partial(run, kernel="xla"), "mosaic": mosaic, "tpu": tpu,
                                   "pallas": functools.partial(run, kernel="pallas")})

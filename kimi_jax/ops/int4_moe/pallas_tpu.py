@@ -249,7 +249,3 @@ def tpu_supports(call: MoeCall, device_kind: str | None) -> str | None:
     if bm is not None and (bm < lo or bm > hi or bm & (bm - 1)):
         return f"block_m must be a power of two from {lo} to {hi} for the Pallas TPU MoE, got {bm}"
     return None
-
-
-TPU_RULES = ("TPU v5e, v6e, v5p or TPU7x; bf16 or float32 activations; d_model and d_ff multiples of 128 or at "
-             "most 128; block_m a power of two from 16 to 256")

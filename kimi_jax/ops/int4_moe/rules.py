@@ -49,10 +49,22 @@ def mosaic_supports(call: MoeCall, lowering: Lowering) -> str | None:
     return None
 
 
+def tpu_supports(call: MoeCall, lowering: Lowering) -> str | None:
+    """The Pallas TPU kernel's rules (``pallas_tpu.tpu_supports``, imported here when asked: it imports this
+    module) for the TPU being lowered for."""
+    if lowering.platform == "cuda":
+        return "the Pallas TPU MoE runs on TPUs (or in TPU interpret mode)"
+    from kimi_jax.ops.int4_moe import pallas_tpu
+    return pallas_tpu.tpu_supports(call, lowering.device_kind)
+
+
 INT4_MOE = Op("INT4 MoE", (
     Implementation("mosaic", mosaic_supports,
                    "Hopper (wgmma) or B200/B300 (tcgen05) when compiled; bf16/fp16 activations; d_ff a multiple "
                    "of 64, d_model of 128; block_m 8, 16, 32 or 64 (tcgen05: 16, 32, 64)"),
+    Implementation("tpu", tpu_supports,
+                   "TPU v5e, v6e, v5p or TPU7x (interpret mode elsewhere); bf16 or float32 activations; d_model and "
+                   "d_ff multiples of 128 or at most 128; block_m a power of two from 16 to 256"),
     Implementation("pallas", lambda call, lowering: _power_of_two_block(call, PALLAS_BLOCK_M[0]),
                    "any GPU (interpret mode elsewhere); block_m a power of two >= 16"),
     Implementation("xla", lambda call, lowering: _power_of_two_block(call, 1), "block_m a power of two"),

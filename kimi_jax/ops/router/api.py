@@ -52,7 +52,7 @@ ROUTER = Op("router", (
                    "any GPU (interpret mode elsewhere); compiled: 16-bit inputs; d and e multiples of 16; k a "
                    "power of two <= e"),
     Implementation("xla", always, "every call"),
-), stand_ins=(("mosaic", "pallas"),))
+), stand_ins=(("mosaic", "pallas"), ("tpu", "xla")))
 
 
 def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, impl: str = "auto",

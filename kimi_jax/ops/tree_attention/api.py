@@ -19,7 +19,9 @@ impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) o
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
 through the table) or impl="mosaic" (``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches;
 compiled where the program is lowered for a GPU, in Pallas' GPU interpret mode with interpret=True, refused
-otherwise), or impl="auto": the first of the target's preference whose rules take the call
+otherwise), impl="tpu" (``pallas_tpu.py``: the same split-K in Pallas TPU, the scalar-prefetched lengths and page
+table choosing the blocks; a program lowered for a TPU, or TPU interpret mode), or impl="auto": the first of the
+target's preference whose rules take the call
 (``kimi_jax.ops.registry``; the rules: ``rules.py``); ``reference.py`` is the dense oracle they are
 tested against.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kimi_jax.cache import rows_view
+from kimi_jax.ops.tree_attention.pallas_tpu import latent_attention_tpu
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
 from kimi_jax.ops.tree_attention.rules import TREE_ATTENTION, AttentionCall
 from kimi_jax.ops.tree_attention.xla import latent_attention_xla
@@ -41,7 +44,7 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
     new_mask [b,t,t] bool (new token i sees new token j) -> o_lat [b,t,h,r] in ``out_dtype`` (default q_lat's
     dtype). Dots run in the input dtype with float32 accumulation; the softmax is float32.
-    ``impl``: "auto", "xla", "pallas" or "mosaic", resolved for the platform the program is lowered for
+    ``impl``: "auto", "xla", "pallas", "mosaic" or "tpu", resolved for the platform the program is lowered for
     (``kimi_jax.ops.registry``; a forced one that does not take the call is an error saying why);
     ``interpret=True`` forces Pallas interpret mode. Pallas tiling:
     block_q / block_k (powers of two >= 16) and num_splits (block_k <= page_size on a paged cache); "mosaic" has
@@ -85,9 +88,14 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
                                        block_q=block_q, block_k=block_k, num_splits=num_splits,
                                        page_table=page_table, layer=layer, out_dtype=dtype)
 
+    def tpu(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, *, interpret):
+        return latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,
+                                    block_q=block_q, block_k=block_k, num_splits=num_splits,
+                                    page_table=page_table, layer=layer, out_dtype=dtype)
+
     operands = (q_lat, q_pe, whole, lengths, new_mask, page_table, layer)
     call = AttentionCall(b, t, h, r, q_pe.shape[-1], kv.shape[1] if page_table is None else
                          page_table.shape[1] * kv.shape[1], 0 if page_table is None else kv.shape[1],
                          jnp.dtype(kv.dtype).name, block_q, block_k)
     return TREE_ATTENTION.dispatch(call, operands, impl=impl, interpret=interpret,
-                                   run={"xla": xla, "pallas": pallas, "mosaic": mosaic})
+                                   run={"xla": xla, "pallas": pallas, "mosaic": mosaic, "tpu": tpu})

@@ -90,9 +90,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE
-from kimi_jax.ops.select import pick_tiles
+from kimi_jax.ops.select import lowering_tpu, pick_tiles
 from kimi_jax.ops.tree_attention.pallas_triton import TREE_BLOCK, _pack_mask
-from kimi_jax.ops.tree_attention.rules import MAX_TREE_TOKENS, AttentionCall
+from kimi_jax.ops.tree_attention.rules import MAX_TABLE_ENTRIES, MAX_TREE_TOKENS, AttentionCall
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 
@@ -114,14 +114,6 @@ TILES = {
 }
 SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
 Q_ROWS = 16     # default query blocks are whole bf16 (16, 128) tiles
-# The scalar-prefetched page table lives in SMEM, 1 MiB on all four generations (deviceless compiles: 64 rows x
-# 4096 pages overflow it by 2 KiB, "Ran out of memory in memory space smem"); 16 KiB are left for the lengths
-# and Mosaic's own scalars.
-MAX_TABLE_ENTRIES = (1 << 18) - (1 << 12)
-
-TPU_RULES = ("t <= 256; a cache of 8-, 16- or 32-bit rows; block_q a multiple of 8; key blocks (block_k, the "
-             "cache when shorter, on a paged cache the largest common factor of block_k and the page size) a "
-             f"multiple of 8 rows or the whole cache / page; batch x pages per row <= {MAX_TABLE_ENTRIES} (SMEM)")
 
 
 def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | None:
@@ -145,15 +137,6 @@ def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | N
         return (f"the page table ({call.batch} rows x {-(-call.slots // call.page)} pages = {entries} entries) must "
                 f"fit the kernel's SMEM ({MAX_TABLE_ENTRIES} entries): use larger pages or fewer rows a call")
     return None
-
-
-def lowering_tpu() -> str | None:
-    """The TPU a program is being lowered for: the abstract mesh's device (a compile-only target), else this
-    process's TPU; None when neither is one."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if device is not None and device.platform == "tpu":
-        return device.device_kind
-    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
 
 
 def key_block(block_k: int, page: int, slots: int, paged: bool) -> int:

@@ -17,6 +17,10 @@ from kimi_jax.ops.tree_attention.pallas_triton import MIN_DOT
 MAX_TREE_TOKENS = 256
 MOSAIC_BLOCK = 64           # the Mosaic kernel's block_q = block_k (mosaic_gpu.BLOCK_Q, BLOCK_K)
 TMA_TILE_ROWS = 8           # rows of the 16-bit smem tiles Mosaic GPU's TMA copies into
+# The Pallas TPU kernel's scalar-prefetched page table lives in SMEM, 1 MiB on all four generations (deviceless
+# compiles: 64 rows x 4096 pages overflow it by 2 KiB, "Ran out of memory in memory space smem"); 16 KiB are left
+# for the lengths and Mosaic's own scalars. pallas_tpu.py takes it from here.
+MAX_TABLE_ENTRIES = (1 << 18) - (1 << 12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +94,25 @@ def mosaic_supports(call: AttentionCall, lowering: Lowering) -> str | None:
     return None
 
 
+def tpu_supports(call: AttentionCall, lowering: Lowering) -> str | None:
+    """The Pallas TPU kernel's rules (``pallas_tpu.tpu_supports``, imported here when asked: it imports this
+    module) for the TPU being lowered for."""
+    if lowering.platform == "cuda":
+        return "the Pallas TPU tree attention runs on TPUs (or in TPU interpret mode)"
+    from kimi_jax.ops.tree_attention import pallas_tpu
+    return pallas_tpu.tpu_supports(call, lowering.device_kind)
+
+
 TREE_ATTENTION = Op("tree attention", (
     Implementation("mosaic", mosaic_supports,
                    "Hopper (wgmma) when compiled; t <= 256; 16-bit cache; rope 64, latent a multiple of 64 and of "
                    "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; "
                    "block_q = block_k = 64; compiled (TMA): query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
+    Implementation("tpu", tpu_supports,
+                   "any TPU (interpret mode elsewhere); t <= 256; a cache of 8-, 16- or 32-bit rows; block_q a "
+                   "multiple of 8; key blocks (block_k, the cache when shorter, on a paged cache the largest common "
+                   "factor of block_k and the page size) a multiple of 8 rows or the whole cache / page; batch x "
+                   f"pages per row <= {MAX_TABLE_ENTRIES} (the page table in SMEM)"),
     Implementation("pallas", pallas_supports,
                    "any GPU (interpret mode elsewhere); t <= 256; compiled: a 16-bit cache; pages of a power of two "
                    ">= 16 slots; block_q, block_k powers of two >= 16"),
