@@ -109,6 +109,18 @@ def test_int4_moe_and_router_over_the_grid():
     assert ROUTER.require("mosaic", RouterCall(7168, 384, 8, "bfloat16"), LOWERINGS["h200"]) == "pallas"  # stand-in
 
 
+def test_a_call_left_to_the_partitioner_is_xlas_on_a_tpu():
+    """A cache split by position (dcp) leaves the attention to XLA's SPMD partitioner, which refuses Mosaic TPU
+    calls ("Mosaic kernels cannot be automatically partitioned", the v5p sweep's dcp cell before this rule); GPU
+    kernels are partitioned (gathered) as before."""
+    call = AttentionCall(tokens=17, heads=8, partitioned=True, **K2)
+    for target in TPUS:
+        assert TREE_ATTENTION.resolve(call, LOWERINGS[target]) == "xla"
+        assert "dcp" in TREE_ATTENTION.refusal("tpu", call, LOWERINGS[target])
+    assert TREE_ATTENTION.resolve(call, LOWERINGS["h200"]) == TREE_ATTENTION.resolve(
+        AttentionCall(tokens=17, heads=8, **K2), LOWERINGS["h200"])
+
+
 def test_forced_implementations_name_the_reason():
     call = AttentionCall(1, 9, 1, 512, 64, 4096, 0, "bfloat16")
     with pytest.raises(ValueError, match="tree attention impl='mosaic'.*query rows"):

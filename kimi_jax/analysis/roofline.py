@@ -121,8 +121,46 @@ PROFILES: dict[str, Hardware] = {
         allreduce_s=9 * US,          # [allreduce]: assumed as H100/H200
         mem_capacity=288e9,          # [hw-b300]
     ),
+    # TPUs, per chip. No measured copy bandwidth or ICI all-reduce latency was found for any of them: the
+    # all-reduce takes the GPUs' one-shot figure as a placeholder until one is measured.
+    "v5e": Hardware(
+        name="v5e",
+        mem_bw=819e9,                # [hw-tpu]: 819 GB/s HBM2e
+        measured_bw=None,
+        bf16_flops=197e12,           # [hw-tpu]
+        link_bw=200e9,               # [hw-tpu]: ICI 400 GB/s bidirectional per chip
+        allreduce_s=9 * US,          # [allreduce]: assumed (no ICI figure found)
+        mem_capacity=16e9,           # [hw-tpu]
+    ),
+    "v6e": Hardware(
+        name="v6e",
+        mem_bw=1638e9,               # [hw-tpu]
+        measured_bw=None,
+        bf16_flops=918e12,           # [hw-tpu]
+        link_bw=400e9,               # [hw-tpu]: ICI 800 GB/s bidirectional per chip
+        allreduce_s=9 * US,          # [allreduce]: assumed
+        mem_capacity=32e9,           # [hw-tpu]
+    ),
+    "v5p": Hardware(
+        name="v5p",
+        mem_bw=2765e9,               # [hw-tpu]: 2 TensorCores a chip, one jax device (megacore)
+        measured_bw=None,
+        bf16_flops=459e12,           # [hw-tpu]
+        link_bw=600e9,               # [hw-tpu]: ICI 1200 GB/s bidirectional per chip
+        allreduce_s=9 * US,          # [allreduce]: assumed
+        mem_capacity=95e9,           # [hw-tpu]
+    ),
+    "tpu7x": Hardware(
+        name="tpu7x",
+        mem_bw=7380e9,               # [hw-tpu]: per chip = 2 jax devices (TensorCores) of half each
+        measured_bw=None,
+        bf16_flops=2307e12,          # [hw-tpu]
+        link_bw=600e9,               # [hw-tpu]: ICI 1200 GB/s bidirectional per chip
+        allreduce_s=9 * US,          # [allreduce]: assumed
+        mem_capacity=192e9,          # [hw-tpu]
+    ),
 }
-ALIASES = {"rtx": "rtx_pro_6000", "rtx6000": "rtx_pro_6000", "rtx_pro": "rtx_pro_6000"}
+ALIASES = {"rtx": "rtx_pro_6000", "rtx6000": "rtx_pro_6000", "rtx_pro": "rtx_pro_6000", "ironwood": "tpu7x"}
 
 
 def calibrate_cpu(copy_mb: int = 256, matmul_n: int = 1024, repeats: int = 5) -> Hardware:

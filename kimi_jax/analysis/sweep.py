@@ -248,11 +248,12 @@ def _target_sweep(args) -> int:
     rows = []
     for cell in cells:
         bar.set_postfix_str(cell.key)
-        rows = target_sweep.run(args.target, args.devices, [cell], args.out)
+        rows = target_sweep.run(args.target, args.devices, [cell], args.out, mesh=args.mesh)
         bar.update()
     bar.close()
     print(target_sweep.table(rows))
-    print(f"\nwrote {os.path.join(args.out, f'{args.target}_d{args.devices}')}.{{json,csv,md}}")
+    print(f"\nwrote {os.path.join(args.out, target_sweep.stem_of(args.target, args.devices, args.mesh))}"
+          ".{json,csv,md}")
     return 0
 
 
@@ -270,8 +271,10 @@ def _sweep(argv) -> int:
                     help="latent-cache slots the cells compile with (e.g. 262144: memory at full K2.6 context)")
     ap.add_argument("--merge", action="store_true", help="merge into existing sweep.json instead of replacing")
     ap.add_argument("--target", help="compile for this GPU/TPU with the real compiler (kimi_jax.analysis.targets: "
-                    "h100, h200, b200, b300, rtx_pro_6000, v5e, v6e, v5p); cells strategy=, batch=, context=, round=")
+                    "h100, h200, b200, b300, rtx_pro_6000, v5e, v6e, v5p, tpu7x); cells strategy=, batch=, context=, round=")
     ap.add_argument("--devices", type=int, default=8, help="with --target: how many devices (default 8)")
+    ap.add_argument("--mesh", default=None, help="with --target: one mesh for every cell, e.g. tp=8,ep=16 (default: "
+                    "each strategy's); results go to <target>_d<devices>_<mesh>")
     args = ap.parse_args(argv)
     if args.target:
         return _target_sweep(args)

@@ -122,10 +122,12 @@ def all_cells(strategies=STRATEGIES, batches=BATCHES, contexts=CONTEXTS, rounds=
     return [Cell(*c) for c in itertools.product(strategies, batches, contexts, rounds)]
 
 
-def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: bool | None = None) -> dict:
+def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: bool | None = None,
+             mesh_spec: str | None = None) -> dict:
     """Compile one cell for ``devices`` devices of ``target``; {"status": "ok" | "n/a: reason" | "error: ...",
     ...} with the measurements of the module docstring. ``cfg``/``dcfg``: target and drafter (K2.6 and its
-    DFlash drafter); ``split``: weight layout (``compile_round``; None: what kimi_jax runs on the target)."""
+    DFlash drafter); ``split``: weight layout (``compile_round``; None: what kimi_jax runs on the target);
+    ``mesh_spec``: the mesh (default: the strategy's, ``sharding.default_mesh_spec``)."""
     from kimi_jax.config import compile_options
     from kimi_jax.analysis.hlo import hlo_collectives
     from kimi_jax.config import KIMI_K26
@@ -134,7 +136,7 @@ def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: 
     t = targets.get_target(target)
     cfg = cfg or KIMI_K26
     dcfg = dcfg or dflash.PRESETS["kimi-k2.6-dflash"]
-    mesh_spec = part.default_mesh_spec(cell.strategy, devices)
+    mesh_spec = mesh_spec or part.default_mesh_spec(cell.strategy, devices)
     row = dict(dataclasses.asdict(cell), target=t.name, devices=devices, mesh=mesh_spec, status="ok")
     try:
         mesh = targets.compile_mesh(t, devices, mesh_spec)
@@ -172,6 +174,8 @@ def run_cell(target: str, devices: int, cell: Cell, cfg=None, dcfg=None, split: 
     if launches:
         row.update(launches)
     if t.platform == "tpu":
+        # static counts in the HLO: a layer scan's body (TPUs keep stacked layers) is counted once
+        row["tpu_kernels"] = compiled.as_text().count(targets.TPU_CALL)
         cost = compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         row["flops"] = float(cost.get("flops", 0.0))
@@ -184,7 +188,10 @@ def _gb(x) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown table of the cells: per-device memory, fit, collectives, launches per round, compile time."""
+    """Markdown table of the cells: per-device memory, fit, collectives, launches per round, compile time (TPU
+    cells: the Pallas TPU kernels in the HLO, where GPU cells count GPU ops)."""
+    if any(r.get("target") in targets.TARGETS and targets.get_target(r["target"]).platform == "tpu" for r in rows):
+        return _tpu_table(rows)
     head = ("| strategy | batch | context | round | args GB | temp GB | total GB / device | fits | all-reduce n | "
             "other collectives n | GPU ops | host launches | host syncs | copies GB | compile s |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
@@ -193,8 +200,7 @@ def table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(lead + f" {r['status'][:100]} |" + " |" * 10)
             continue
-        other = sum(r.get(f"{k}_count", 0) for k in ("all_gather", "reduce_scatter", "all_to_all",
-                                                     "collective_permute"))
+        other = _other_collectives(r)
         fit = "yes" if r["fits"] else f"no (+{_gb(r['device_bytes'] - r['memory_bytes'])} GB)"
         lines.append(lead + f" {_gb(r['argument_bytes'])} | {_gb(r['temp_bytes'])} | {_gb(r['device_bytes'])} | "
                      f"{fit} | {r.get('all_reduce_count', 0)} | {other} | {r.get('gpu_ops', '-')} | "
@@ -203,10 +209,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: list[dict], target: str, devices: int, out: str = RESULTS) -> list[str]:
+def _other_collectives(r: dict) -> int:
+    return sum(r.get(f"{k}_count", 0) for k in ("all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
+
+
+def _tpu_table(rows: list[dict]) -> str:
+    """The TPU cells: mesh, memory per device and fit, collectives and Pallas TPU kernels in the HLO (a layer
+    scan's body counted once), libtpu's cost analysis, compile time."""
+    head = ("| mesh | strategy | batch | context | round | args GB | temp GB | total GB / device | fits | all-reduce "
+            "n (HLO) | other collectives n | Pallas TPU kernels (HLO) | GFLOP (cost analysis) | compile s |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        lead = f"| {r.get('mesh', '')} | {r['strategy']} | {r['batch']} | {r['context']} | {r['round']} |"
+        if r["status"] != "ok":
+            lines.append(lead + f" {r['status'][:100]} |" + " |" * 8)
+            continue
+        fit = "yes" if r["fits"] else f"no (+{_gb(r['device_bytes'] - r['memory_bytes'])} GB)"
+        lines.append(lead + f" {_gb(r['argument_bytes'])} | {_gb(r['temp_bytes'])} | {_gb(r['device_bytes'])} | "
+                     f"{fit} | {r.get('all_reduce_count', 0)} | {_other_collectives(r)} | {r.get('tpu_kernels', '-')}"
+                     f" | {r.get('flops', 0) / 1e9:.1f} | {r['compile_s']} |")
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], target: str, devices: int, out: str = RESULTS, mesh: str | None = None) -> list[str]:
     """``<target>_d<devices>.json`` / ``.csv`` / ``.md`` under ``out``, each written through a rename."""
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"{target}_d{devices}")
+    stem = os.path.join(out, stem_of(target, devices, mesh))
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "by_scope"))
     csv = [",".join(keys)] + [",".join(json.dumps(r.get(k, "")) if isinstance(r.get(k), str) else str(r.get(k, ""))
                                        for k in keys) for r in rows]
@@ -238,10 +266,16 @@ def parse_cells(filters: list[str]) -> list[Cell]:
     return all_cells(chosen["strategy"], chosen["batch"], chosen["context"], chosen["round"])
 
 
-def run(target: str, devices: int, cells: list[Cell], out: str = RESULTS, merge: bool = True) -> list[dict]:
+def stem_of(target: str, devices: int, mesh: str | None = None) -> str:
+    """A results file's name: ``<target>_d<devices>``, and the mesh when it is not the strategies' default."""
+    return f"{target}_d{devices}" + (f"_{mesh.replace('=', '').replace(',', '_')}" if mesh else "")
+
+
+def run(target: str, devices: int, cells: list[Cell], out: str = RESULTS, merge: bool = True,
+        mesh: str | None = None) -> list[dict]:
     """Compile ``cells``, writing results after each (an interrupted sweep keeps what it finished); with
-    ``merge`` the file's other cells are kept."""
-    path = os.path.join(out, f"{target}_d{devices}.json")
+    ``merge`` the file's other cells are kept. ``mesh``: one mesh for every cell (its strategy's rules apply)."""
+    path = os.path.join(out, stem_of(target, devices, mesh) + ".json")
     rows = []
     if merge and os.path.exists(path):
         with open(path) as fh:
@@ -251,11 +285,11 @@ def run(target: str, devices: int, cells: list[Cell], out: str = RESULTS, merge:
     order = {c.key: i for i, c in enumerate(all_cells())}
     for cell in cells:
         try:
-            rows.append(run_cell(target, devices, cell))
+            rows.append(run_cell(target, devices, cell, mesh_spec=mesh))
         except Exception as e:   # a cell the compiler rejects is a result too; keep going
             rows.append(dict(dataclasses.asdict(cell), target=target, devices=devices,
                              status=f"error: {type(e).__name__}: {str(e)[:300]}"))
         rows.sort(key=lambda r: order.get(Cell(r["strategy"], r["batch"], r["context"], r["round"]).key, 1 << 30))
-        write(rows, target, devices, out)
+        write(rows, target, devices, out, mesh)
     jax.clear_caches()
     return rows

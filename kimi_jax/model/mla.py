@@ -63,14 +63,16 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
 
 
-def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str, layer=None):
+def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str, layer=None,
+                partitioned: bool = False):
     """attend_absorbed with visibility given as (committed lengths, new-token mask): the tree-attention op
     (kimi_jax.ops.tree_attention.api) between W_UK and W_UV, whose kernels stream the prefix (of a paged cache: the
-    row's own pages) without a dense [b, t, s] mask."""
+    row's own pages) without a dense [b, t, s] mask. ``partitioned``: left to XLA's partitioner (the op's rules
+    then refuse what it cannot partition)."""
     w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
-                             page_table=page_table, layer=layer)
+                             page_table=page_table, layer=layer, partitioned=partitioned)
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
 
 
@@ -100,12 +102,12 @@ def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelCo
     the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
     A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
     softmaxes would need merging across devices."""
-    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer):
-        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, layer)
+    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer, partitioned=False):
+        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, layer, partitioned)
 
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
     if st.mesh_axes("slots", rt.mesh):
-        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer)
+        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer, partitioned=True)
     spec = lambda *axes: sharding.logical_to_spec(axes, rt.mesh, st)  # noqa: E731
     per_head = spec("batch", None, "heads", None)
     kv_axes = ("batch", "slots", "latent") if layer is None else ("layers", "batch", "slots", "latent")

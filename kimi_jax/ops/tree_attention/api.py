@@ -38,7 +38,8 @@ from kimi_jax.ops.tree_attention.xla import latent_attention_xla
 
 def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: str = "auto",
                      interpret: bool = False, block_q: int | None = None, block_k: int | None = None,
-                     num_splits: int | None = None, out_dtype=None, page_table=None, layer=None):
+                     num_splits: int | None = None, out_dtype=None, page_table=None, layer=None,
+                     partitioned: bool = False):
     """Absorbed-MLA attention of t new tokens over the committed prefix and their own rows (see module doc).
 
     q_lat [b,t,h,r], q_pe [b,t,h,p], kv [b,s,r+p] (new rows already at slots lengths + j), lengths [b] int,
@@ -52,6 +53,8 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     page_table [b, pages_per_row] int: kv is a page pool [pages, page_size, r+p] (module doc).
     layer (int or int32 scalar): kv is the whole cache [layers, ...] and this is the layer attended over; the
     Pallas kernel reads it in place (no copy of one layer's rows out of the cache).
+    partitioned: the call is left to XLA's SPMD partitioner (not inside shard_map); the rules then refuse the
+    kernels it cannot partition (Mosaic TPU's).
     """
     whole = kv
     if layer is not None:
@@ -96,6 +99,6 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
     operands = (q_lat, q_pe, whole, lengths, new_mask, page_table, layer)
     call = AttentionCall(b, t, h, r, q_pe.shape[-1], kv.shape[1] if page_table is None else
                          page_table.shape[1] * kv.shape[1], 0 if page_table is None else kv.shape[1],
-                         jnp.dtype(kv.dtype).name, block_q, block_k)
+                         jnp.dtype(kv.dtype).name, block_q, block_k, partitioned=partitioned)
     return TREE_ATTENTION.dispatch(call, operands, impl=impl, interpret=interpret,
                                    run={"xla": xla, "pallas": pallas, "mosaic": mosaic, "tpu": tpu})

@@ -37,6 +37,7 @@ class AttentionCall:
     block_q: int | None = None
     block_k: int | None = None
     block_v: int = 256      # the Mosaic kernel's output columns a CTA (mosaic_gpu.Tiles.block_v)
+    partitioned: bool = False   # left to XLA's partitioner (a cache split by position, dcp), not in shard_map
 
     @property
     def rows(self) -> int:
@@ -99,6 +100,9 @@ def tpu_supports(call: AttentionCall, lowering: Lowering) -> str | None:
     module) for the TPU being lowered for."""
     if lowering.platform == "cuda":
         return "the Pallas TPU tree attention runs on TPUs (or in TPU interpret mode)"
+    if call.partitioned:
+        return ("XLA cannot partition a Mosaic TPU kernel (\"wrap the call in a shard_map\"), and this call is left "
+                "to its partitioner: the cache is split by position (dcp)")
     from kimi_jax.ops.tree_attention import pallas_tpu
     return pallas_tpu.tpu_supports(call, lowering.device_kind)
 
@@ -109,7 +113,8 @@ TREE_ATTENTION = Op("tree attention", (
                    "dv = min(block_v = 256, latent), dv a multiple of 64; pages of a multiple of 64 slots; "
                    "block_q = block_k = 64; compiled (TMA): query rows t*h <= 8 or a multiple of 8, a contiguous cache of < 64 or a multiple of 8 slots"),
     Implementation("tpu", tpu_supports,
-                   "any TPU (interpret mode elsewhere); t <= 256; a cache of 8-, 16- or 32-bit rows; block_q a "
+                   "any TPU (interpret mode elsewhere); not left to XLA's partitioner (dcp); t <= 256; a cache of "
+                   "8-, 16- or 32-bit rows; block_q a "
                    "multiple of 8; key blocks (block_k, the cache when shorter, on a paged cache the largest common "
                    "factor of block_k and the page size) a multiple of 8 rows or the whole cache / page; batch x "
                    f"pages per row <= {MAX_TABLE_ENTRIES} (the page table in SMEM)"),
