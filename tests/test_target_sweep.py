@@ -86,3 +86,15 @@ def test_cells_parse_and_refuse_by_name():
     for bad in (["round=beam"], ["strategy=zz"], ["batch=x"], ["depth=3"]):
         with pytest.raises(SystemExit):
             target_sweep.parse_cells(bad)
+
+
+def test_a_compile_past_the_hbm_says_by_how_much():
+    """libtpu's refusal (its message as the v5p K2.6 256k cell got it) becomes a no-fit row with the numbers; any
+    other failure stays an error."""
+    oom = RuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory "
+                       "required for HLO temporaries (133.75G) exceeds available HBM (95.73G). HLO module: "
+                       "jit_round_step.")
+    assert target_sweep.failure(oom) == "no fit: libtpu needs 133.8 GB of the device's 95.7 GB (misses by 38.0 GB)"
+    assert target_sweep.failure(ValueError("bad")) == "error: ValueError: bad"
+    assert target_sweep.stem_of("v6e", 32, "tp=8,ep=4") == "v6e_d32_tp8_ep4" and target_sweep.stem_of("h200", 8) == \
+        "h200_d8"

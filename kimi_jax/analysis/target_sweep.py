@@ -30,6 +30,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import time
 
 import jax
@@ -266,6 +267,16 @@ def parse_cells(filters: list[str]) -> list[Cell]:
     return all_cells(chosen["strategy"], chosen["batch"], chosen["context"], chosen["round"])
 
 
+def failure(e: Exception) -> str:
+    """A cell's failed compile in one line; libtpu's refusal to compile past the device's HBM
+    (CompileTimeHbmOom) says by how much it misses."""
+    oom = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(e))
+    if oom:
+        need, have = map(float, oom.groups())
+        return f"no fit: libtpu needs {need:.1f} GB of the device's {have:.1f} GB (misses by {need - have:.1f} GB)"
+    return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
 def stem_of(target: str, devices: int, mesh: str | None = None) -> str:
     """A results file's name: ``<target>_d<devices>``, and the mesh when it is not the strategies' default."""
     return f"{target}_d{devices}" + (f"_{mesh.replace('=', '').replace(',', '_')}" if mesh else "")
@@ -288,7 +299,7 @@ def run(target: str, devices: int, cells: list[Cell], out: str = RESULTS, merge:
             rows.append(run_cell(target, devices, cell, mesh_spec=mesh))
         except Exception as e:   # a cell the compiler rejects is a result too; keep going
             rows.append(dict(dataclasses.asdict(cell), target=target, devices=devices,
-                             status=f"error: {type(e).__name__}: {str(e)[:300]}"))
+                             mesh=mesh or part.default_mesh_spec(cell.strategy, devices), status=failure(e)))
         rows.sort(key=lambda r: order.get(Cell(r["strategy"], r["batch"], r["context"], r["round"]).key, 1 << 30))
         write(rows, target, devices, out, mesh)
     jax.clear_caches()
