@@ -12,10 +12,10 @@ from jax.sharding import SingleDeviceSharding
 
 from kimi_jax.analysis import targets
 from kimi_jax.ops.int4_format import Int4Experts
-from kimi_jax.ops.int4_moe.pallas_tpu import TILES, TPU_BLOCK_M, int4_moe_tpu, tile_shape, tpu_supports
+from kimi_jax.ops.int4_moe.pallas_tpu import TILES, int4_moe_tpu, tile_shape
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
-from kimi_jax.ops.int4_moe.rules import MoeCall
-from test_int4_moe import D, E, check_close, fixture_experts, random_experts, routing
+from kimi_jax.ops.int4_moe.rules import TPU_BLOCK_M, TPU_KINDS, MoeCall, tpu_rules
+from test_int4_moe import D, check_close, fixture_experts, random_experts, routing
 
 tpu = jax.jit(int4_moe_tpu, static_argnames=("interpret", "block_m", "device_kind"))
 
@@ -92,6 +92,7 @@ def test_tile_shapes_at_k26(kind, gate_up, down):
         assert tile_shape(7168, f, TILES[kind]) == gate_up[f]
         assert tile_shape(f, 7168, TILES[kind]) == down[f]
     assert TILES["TPU7x"] == TILES["TPU v6 lite"]
+    assert tuple(TILES) == TPU_KINDS            # the generations the rules accept are the ones with tiles
 
 
 @pytest.mark.parametrize("call,kind,reason", [
@@ -108,7 +109,7 @@ def test_tile_shapes_at_k26(kind, gate_up, down):
     (MoeCall("bfloat16", 7168, 256, 48), None, "power of two from 16 to 256"),
 ])
 def test_tpu_supports(call, kind, reason):
-    got = tpu_supports(call, kind)
+    got = tpu_rules(call, kind)
     assert got is None if reason is None else reason in got
 
 

@@ -1,6 +1,6 @@
 """Tree attention's Pallas TPU kernel (kimi_jax.ops.tree_attention.pallas_tpu): Pallas' TPU interpret mode on the
 CPU against the dense oracle, deviceless libtpu compiles for v5e, v5p, v6e and TPU7x at K2.6 slice shapes, and
-the rules of ``tpu_supports``."""
+the rules of ``rules.tpu_rules``."""
 
 import re
 
@@ -15,9 +15,9 @@ from kimi_jax.analysis import targets
 from kimi_jax.config import KIMI_K26
 from kimi_jax.decoding import ddtree
 from kimi_jax.ops.select import pick_tiles
-from kimi_jax.ops.tree_attention.pallas_tpu import TILES, latent_attention_tpu, tpu_supports
+from kimi_jax.ops.tree_attention.pallas_tpu import latent_attention_tpu
 from kimi_jax.ops.tree_attention.reference import dense_reference
-from kimi_jax.ops.tree_attention.rules import AttentionCall
+from kimi_jax.ops.tree_attention.rules import TILES, AttentionCall, tpu_rules
 from test_paged_cache import PAGE, paged_copy, within_storage
 from test_tree_attention import causal, inputs
 
@@ -173,8 +173,8 @@ def call(**kw):
 
 def test_supports_k26_shapes():
     for kind in [*TILES, None]:        # "": an unknown TPU
-        assert tpu_supports(call(), kind) is None
-        assert tpu_supports(call(page=64, tokens=256, heads=64), kind) is None
+        assert tpu_rules(call(), kind) is None
+        assert tpu_rules(call(page=64, tokens=256, heads=64), kind) is None
 
 
 @pytest.mark.parametrize("kw,words", [
@@ -188,7 +188,7 @@ def test_supports_k26_shapes():
     (dict(batch=64, slots=262144, page=64), "SMEM"),       # 64 x 4096 entries: libtpu's smem overflow
 ])
 def test_supports_refuses(kw, words):
-    reason = tpu_supports(call(**kw), "TPU v5 lite")
+    reason = tpu_rules(call(**kw), "TPU v5 lite")
     assert reason is not None and words in reason
 
 
@@ -198,7 +198,7 @@ def test_supports_refuses(kw, words):
                                 dict(page=4), dict(page=24), dict(page=48, block_k=16), dict(dtype="float8_e4m3fn"),
                                 dict(batch=63, slots=262144, page=64)])
 def test_supports_takes_the_boundaries(kw):
-    assert tpu_supports(call(**kw), "TPU v5 lite") is None
+    assert tpu_rules(call(**kw), "TPU v5 lite") is None
 
 
 def test_rejects_what_it_does_not_support():

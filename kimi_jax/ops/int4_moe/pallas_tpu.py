@@ -57,7 +57,7 @@ deviceless, 2026-12-06), not timings.
   2*bk/32*bn*2 + bm*bn*a) + 2*bm*bn*4 + bk*bn*a``, ``a`` = activation bytes; down likewise with one matrix,
   float32 out.)
 - The Mosaic TPU (8, 128) rule: every block's last two dims are multiples of (8, 128) or the whole dim. bn is a
-  multiple of 128 or the whole N (``tpu_supports`` refuses N above 128 that is not a multiple of 128, which would
+  multiple of 128 or the whole N (``rules.tpu_rules`` refuses N above 128 that is not a multiple of 128, which would
   make one unbounded tile); bk / 8 word rows are multiples of 32. The bf16 scale tile has bk / 32 rows, e.g. 56
   at bk = 1792 or 8 at bk = 256: not a multiple of bf16's 16-row packing, and libtpu took it for every target.
 - The row block ``bm`` (``TPU_BLOCK_M``): a power of two from 16 (bf16 packs 16 rows per sublane tile) to 256
@@ -83,13 +83,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows, sort_by_expert
-from kimi_jax.ops.int4_moe.rules import MoeCall
+from kimi_jax.ops.int4_moe.rules import DEFAULT_KIND, LANES, TPU_BLOCK_M, MoeCall, tpu_rules
 from kimi_jax.ops.numerics import F32
 
-TPU_BLOCK_M = (16, 256)       # min, max rows per block
-LANES = 128                   # a vreg's lanes: output tiles come in multiples of 128 columns
 K_STEP = 256                  # K tiles in whole chunks of the layout (256 inputs = 32 word rows, 8 scale rows)
-DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +95,13 @@ class Tiles:
     area: int          # weights per tile (bk * bn): what one grid step streams and dequantizes
 
 
-DEFAULT_KIND = "TPU v5 lite"  # the smallest scoped VMEM (16 MiB): its tiles fit every generation
 TILES = {"TPU v5 lite": Tiles(256, 1 << 20), "TPU v6 lite": Tiles(512, 1 << 20), "TPU v5": Tiles(128, 1 << 20),
          "TPU7x": Tiles(512, 1 << 20)}
 
 
 def _block(n: int, target: int, step: int) -> int:
     """Largest multiple of ``step`` <= max(target, step) dividing n; n itself when none does (a full dim is always
-    a legal block: ``tpu_supports`` keeps those small)."""
+    a legal block: ``rules.tpu_rules`` keeps those small)."""
     for b in range(max(step, target - target % step), 0, -step):
         if n % b == 0:
             return b
@@ -215,10 +211,10 @@ def int4_moe_tpu(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, expe
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. ``interpret=True``: Pallas' TPU interpreter (any platform;
     ``pltpu.InterpretParams``: it simulates the pipeline's DMAs, fills uninitialized VMEM with NaN and refuses
     revisited output blocks, which plain ``interpret=True``, the generic HLO interpreter, does not check);
-    ``block_m``: rows per block (``tpu_supports``); ``device_kind``: the TPU whose ``TILES`` to use (None:
+    ``block_m``: rows per block (``rules.tpu_rules``); ``device_kind``: the TPU whose ``TILES`` to use (None:
     ``DEFAULT_KIND``)."""
     call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)
-    if reason := tpu_supports(call, device_kind):
+    if reason := tpu_rules(call, device_kind):
         raise ValueError(reason)
     tiles = TILES[device_kind or DEFAULT_KIND]
     t, k = topk_idx.shape
@@ -233,19 +229,3 @@ def int4_moe_tpu(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, expe
     h = jnp.pad(h, ((0, 0), (0, experts.w2.shape[-2] * 8 - h.shape[1])))    # a no-op unless F is not whole chunks
     out = matmul(_down_kernel, h, experts.w2, experts.s2, out_dtype=F32, scratch=lambda bn: [])
     return combine(out, routing, topk_weight)
-
-
-def tpu_supports(call: MoeCall, device_kind: str | None) -> str | None:
-    """None when ``int4_moe_tpu`` takes the call on ``device_kind`` (None: ``DEFAULT_KIND``), else why not."""
-    if device_kind is not None and device_kind not in TILES:
-        return f"the Pallas TPU MoE has tiles for {', '.join(TILES)}, not {device_kind!r}; use impl='xla'"
-    if call.dtype not in DTYPES:
-        return f"the Pallas TPU MoE runs bfloat16 or float32 activations, got {call.dtype}"
-    if any(n % LANES and n > LANES for n in (call.d_model, call.d_ff)):
-        return (f"the Pallas TPU MoE needs d_model and d_ff to be multiples of {LANES} (the lane width) or at most "
-                f"{LANES}, got {call.d_model}, {call.d_ff}; use impl='xla'")
-    lo, hi = TPU_BLOCK_M
-    bm = call.block_m
-    if bm is not None and (bm < lo or bm > hi or bm & (bm - 1)):
-        return f"block_m must be a power of two from {lo} to {hi} for the Pallas TPU MoE, got {bm}"
-    return None

@@ -49,13 +49,36 @@ def mosaic_supports(call: MoeCall, lowering: Lowering) -> str | None:
     return None
 
 
+# The Pallas TPU kernel's facts its rules read (pallas_tpu.py takes them from here; its TILES has these kinds)
+TPU_KINDS = ("TPU v5 lite", "TPU v6 lite", "TPU v5", "TPU7x")
+DEFAULT_KIND = "TPU v5 lite"  # the smallest scoped VMEM (16 MiB): its tiles fit every generation
+TPU_BLOCK_M = (16, 256)       # min, max rows per block
+LANES = 128                   # a vreg's lanes: output tiles come in multiples of 128 columns
+TPU_DTYPES = ("bfloat16", "float32")
+
+
+def tpu_rules(call: MoeCall, device_kind: str | None) -> str | None:
+    """None when ``pallas_tpu.int4_moe_tpu`` takes the call on ``device_kind`` (None: ``DEFAULT_KIND``), else why
+    not."""
+    if device_kind is not None and device_kind not in TPU_KINDS:
+        return f"the Pallas TPU MoE has tiles for {', '.join(TPU_KINDS)}, not {device_kind!r}; use impl='xla'"
+    if call.dtype not in TPU_DTYPES:
+        return f"the Pallas TPU MoE runs bfloat16 or float32 activations, got {call.dtype}"
+    if any(n % LANES and n > LANES for n in (call.d_model, call.d_ff)):
+        return (f"the Pallas TPU MoE needs d_model and d_ff to be multiples of {LANES} (the lane width) or at most "
+                f"{LANES}, got {call.d_model}, {call.d_ff}; use impl='xla'")
+    lo, hi = TPU_BLOCK_M
+    bm = call.block_m
+    if bm is not None and (bm < lo or bm > hi or bm & (bm - 1)):
+        return f"block_m must be a power of two from {lo} to {hi} for the Pallas TPU MoE, got {bm}"
+    return None
+
+
 def tpu_supports(call: MoeCall, lowering: Lowering) -> str | None:
-    """The Pallas TPU kernel's rules (``pallas_tpu.tpu_supports``, imported here when asked: it imports this
-    module) for the TPU being lowered for."""
+    """The Pallas TPU kernel's rules (``tpu_rules``) for the TPU being lowered for."""
     if lowering.platform == "cuda":
         return "the Pallas TPU MoE runs on TPUs (or in TPU interpret mode)"
-    from kimi_jax.ops.int4_moe import pallas_tpu
-    return pallas_tpu.tpu_supports(call, lowering.device_kind)
+    return tpu_rules(call, lowering.device_kind)
 
 
 INT4_MOE = Op("INT4 MoE", (

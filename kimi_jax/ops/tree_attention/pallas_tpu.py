@@ -63,7 +63,7 @@ made or passed to jit: the 576 lanes then pad to 640, +11% HBM) and the kernel r
 (``tests/test_tree_attention_tpu.py`` asserts no relayout of the cache in the compiled HLO).
 
 What libtpu and Pallas TPU rejected while this was built (deviceless compiles for v5e, v5p, v6e, TPU7x), and
-what the kernel does about it (``tpu_supports`` states each as a rule):
+what the kernel does about it (``rules.tpu_rules`` states each as a rule):
 
 - key blocks of 4 or 12 rows ("the last two dimensions of your block shape are divisible by 8 and 128
   respectively, or be equal to the respective dimensions of the overall array"): key blocks are multiples of
@@ -80,9 +80,7 @@ what the kernel does about it (``tpu_supports`` states each as a rule):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -92,57 +90,11 @@ from jax.experimental.pallas import tpu as pltpu
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 from kimi_jax.ops.select import lowering_tpu, pick_tiles
 from kimi_jax.ops.tree_attention.pallas_triton import TREE_BLOCK, _pack_mask
-from kimi_jax.ops.tree_attention.rules import MAX_TABLE_ENTRIES, MAX_TREE_TOKENS, AttentionCall
+from kimi_jax.ops.tree_attention.rules import TILES, AttentionCall, Tiles, key_block, tpu_rules
 from kimi_jax.ops.tree_attention.xla import merge_states, tree_rows
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Key rows a block, the most query rows a block (fewer for small trees) and the prefix splits for one row
-    and one query block (module doc: why)."""
-    block_k: int
-    block_q: int
-    num_splits: int = 1
-
-
-TILES = {
-    "": Tiles(block_k=512, block_q=256),                            # an unknown TPU, interpret mode: as v5e
-    "TPU v5 lite": Tiles(block_k=512, block_q=256),                 # v5e: 0.82 TB/s, ~240-row ridge
-    "TPU v6 lite": Tiles(block_k=1024, block_q=512),                # v6e: 1.64 TB/s, ~560-row ridge
-    "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 1.23 TB/s a core, ~190 rows; megacore
-    "TPU7x": Tiles(block_k=2048, block_q=512),                      # 3.7 TB/s, ~310 rows; 1 TensorCore a device
-}
-SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
 Q_ROWS = 16     # default query blocks are whole bf16 (16, 128) tiles
-
-
-def tpu_supports(call: AttentionCall, device_kind: str | None = None) -> str | None:
-    """None when the TPU kernel takes ``call`` (with the tiles of ``device_kind``, None: the default ones),
-    else why not. The block rules are Pallas TPU's (a deviceless compile refuses the rest, module doc)."""
-    if call.tokens > MAX_TREE_TOKENS:
-        return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
-    if jnp.dtype(call.dtype).itemsize not in (1, 2, 4):
-        return f"the TPU kernel reads 8-, 16- or 32-bit cache rows, got {call.dtype}"
-    if call.block_q is not None and (call.block_q < SUBLANES or call.block_q % SUBLANES):
-        return f"block_q must be a positive multiple of {SUBLANES}, got {call.block_q}"
-    block_k = call.block_k or pick_tiles(TILES, device_kind).block_k
-    bk = key_block(block_k, call.page, call.slots, bool(call.page))
-    if bk % SUBLANES and bk != (call.page or call.slots):
-        if call.page:
-            return (f"pages of {call.page} slots with block_k={block_k}: a key block (their largest common factor, "
-                    f"{bk}) must be a multiple of {SUBLANES} rows or a whole page; use a page size that is a "
-                    f"multiple of {SUBLANES} or divides block_k")
-        return f"block_k must be a multiple of {SUBLANES} or cover the whole cache ({call.slots} slots), got {bk}"
-    if call.page and (entries := call.batch * -(-call.slots // call.page)) > MAX_TABLE_ENTRIES:
-        return (f"the page table ({call.batch} rows x {-(-call.slots // call.page)} pages = {entries} entries) must "
-                f"fit the kernel's SMEM ({MAX_TABLE_ENTRIES} entries): use larger pages or fewer rows a call")
-    return None
-
-
-def key_block(block_k: int, page: int, slots: int, paged: bool) -> int:
-    """Key rows a block: block_k, the whole cache when it is shorter, on a paged cache the largest common
-    factor of block_k and the page size (a block never straddles two pages)."""
-    return math.gcd(block_k, page) if paged else min(block_k, slots)
 
 
 def default_splits(tiles: Tiles, parallel_programs: int, n_blocks: int) -> int:
@@ -263,7 +215,7 @@ def latent_attention_tpu(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret
     call = AttentionCall(b, t, h, r, q_pe.shape[-1], n_slots, page, jnp.dtype(kv.dtype).name, block_q, block_k)
     device_kind = device_kind or lowering_tpu()
     tiles = pick_tiles(TILES, device_kind)
-    if reason := tpu_supports(call, device_kind):
+    if reason := tpu_rules(call, device_kind):
         raise ValueError(reason)
     bk = key_block(block_k or tiles.block_k, page, n_slots, bool(page))
     n_q = t * h

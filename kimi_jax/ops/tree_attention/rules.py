@@ -5,11 +5,12 @@ direct calls against. Apart from the kernels, so that reading the rules loads no
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
 from kimi_jax.ops.registry import Implementation, Lowering, Op, always
-from kimi_jax.ops.select import hopper
+from kimi_jax.ops.select import hopper, pick_tiles
 from kimi_jax.ops.tree_attention.pallas_triton import MIN_DOT
 
 # Tree widths up to this go through the kernels; wider calls are prefills, which the XLA path serves (the
@@ -95,16 +96,64 @@ def mosaic_supports(call: AttentionCall, lowering: Lowering) -> str | None:
     return None
 
 
+# ---- the Pallas TPU kernel's facts its rules read (pallas_tpu.py takes them from here) -------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The Pallas TPU kernel's tiles (pallas_tpu.py's module doc: why): key rows a block, the most query rows a block (fewer for small trees) and the prefix splits for one row
+    and one query block (module doc: why)."""
+    block_k: int
+    block_q: int
+    num_splits: int = 1
+
+
+TILES = {
+    "": Tiles(block_k=512, block_q=256),                            # an unknown TPU, interpret mode: as v5e
+    "TPU v5 lite": Tiles(block_k=512, block_q=256),                 # v5e: 0.82 TB/s, ~240-row ridge
+    "TPU v6 lite": Tiles(block_k=1024, block_q=512),                # v6e: 1.64 TB/s, ~560-row ridge
+    "TPU v5": Tiles(block_k=1024, block_q=256, num_splits=2),       # v5p: 1.23 TB/s a core, ~190 rows; megacore
+    "TPU7x": Tiles(block_k=2048, block_q=512),                      # 3.7 TB/s, ~310 rows; 1 TensorCore a device
+}
+SUBLANES = 8    # Pallas TPU: a block's second-minor dim is a multiple of 8 or the array's whole dim
+
+
+def tpu_rules(call: AttentionCall, device_kind: str | None = None) -> str | None:
+    """None when the Pallas TPU kernel (``pallas_tpu.py``) takes ``call`` (with the tiles of ``device_kind``, None: the default ones),
+    else why not. The block rules are Pallas TPU's (a deviceless compile refuses the rest, pallas_tpu's module doc)."""
+    if call.tokens > MAX_TREE_TOKENS:
+        return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
+    if jnp.dtype(call.dtype).itemsize not in (1, 2, 4):
+        return f"the TPU kernel reads 8-, 16- or 32-bit cache rows, got {call.dtype}"
+    if call.block_q is not None and (call.block_q < SUBLANES or call.block_q % SUBLANES):
+        return f"block_q must be a positive multiple of {SUBLANES}, got {call.block_q}"
+    block_k = call.block_k or pick_tiles(TILES, device_kind).block_k
+    bk = key_block(block_k, call.page, call.slots, bool(call.page))
+    if bk % SUBLANES and bk != (call.page or call.slots):
+        if call.page:
+            return (f"pages of {call.page} slots with block_k={block_k}: a key block (their largest common factor, "
+                    f"{bk}) must be a multiple of {SUBLANES} rows or a whole page; use a page size that is a "
+                    f"multiple of {SUBLANES} or divides block_k")
+        return f"block_k must be a multiple of {SUBLANES} or cover the whole cache ({call.slots} slots), got {bk}"
+    if call.page and (entries := call.batch * -(-call.slots // call.page)) > MAX_TABLE_ENTRIES:
+        return (f"the page table ({call.batch} rows x {-(-call.slots // call.page)} pages = {entries} entries) must "
+                f"fit the kernel's SMEM ({MAX_TABLE_ENTRIES} entries): use larger pages or fewer rows a call")
+    return None
+
+
+def key_block(block_k: int, page: int, slots: int, paged: bool) -> int:
+    """Key rows a block: block_k, the whole cache when it is shorter, on a paged cache the largest common
+    factor of block_k and the page size (a block never straddles two pages)."""
+    return math.gcd(block_k, page) if paged else min(block_k, slots)
+
+
 def tpu_supports(call: AttentionCall, lowering: Lowering) -> str | None:
-    """The Pallas TPU kernel's rules (``pallas_tpu.tpu_supports``, imported here when asked: it imports this
-    module) for the TPU being lowered for."""
+    """The Pallas TPU kernel's rules (``tpu_rules``) for the TPU being lowered for."""
     if lowering.platform == "cuda":
         return "the Pallas TPU tree attention runs on TPUs (or in TPU interpret mode)"
     if call.partitioned:
         return ("XLA cannot partition a Mosaic TPU kernel (\"wrap the call in a shard_map\"), and this call is left "
                 "to its partitioner: the cache is split by position (dcp)")
-    from kimi_jax.ops.tree_attention import pallas_tpu
-    return pallas_tpu.tpu_supports(call, lowering.device_kind)
+    return tpu_rules(call, lowering.device_kind)
 
 
 TREE_ATTENTION = Op("tree attention", (
