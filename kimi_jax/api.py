@@ -235,9 +235,11 @@ class Model:
         fields.check(seed=seed)
         temperature = _temperatures(temperature, request.prompt.shape[0])
         grammar = self._grammar_tables(request, self.grammar(**{k: processing.pop(k, None) for k in STRUCTURED}))
-        if (logprobs := processing.pop("logprobs", None)) not in (None, request.spec.logprobs):
-            raise GenerationError(f"logprobs={logprobs} is static (the program's): prepare the request with it "
-                                  f"(it was prepared with {request.spec.logprobs})")
+        # static (the program's): a count up to what the request was prepared with (its top alternatives are cut
+        # on the host, as the server's batches, prepared with the most, do)
+        if (logprobs := processing.pop("logprobs", None)) is not None and logprobs > (request.spec.logprobs or -1):
+            raise GenerationError(f"logprobs={logprobs} needs a request prepared with at least that many (it was "
+                                  f"prepared with {request.spec.logprobs})")
         sampling = self._sampling(request, processing)
         if isinstance(costs, str):
             costs = self._costs_arg(request)

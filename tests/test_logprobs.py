@@ -43,3 +43,16 @@ def test_stream_reports_the_same_logprobs(model):
     assert final.tokens == want.tokens
     np.testing.assert_allclose([c for c, _ in final.logprobs[0]], [c for c, _ in want.logprobs[0]], atol=1e-6)
     assert model.generate(PROMPT, 4, method="ar").logprobs is None
+
+
+def test_inputs_take_up_to_the_prepared_count(model):
+    """logprobs is the program's (static): the server's batches are prepared with the most (fields.LOGPROBS_MAX)
+    and each row asks for its own count, cut on the host; more than prepared, or none prepared, is refused."""
+    from kimi_jax.fields import GenerationError
+    request = model.prepare([model.tokenizer.encode(PROMPT)], 4, "ar", logprobs=5)
+    for n in (0, 2, 5):
+        assert model.inputs(request, logprobs=n) is not None
+    with pytest.raises(GenerationError, match="at least"):
+        model.inputs(request, logprobs=6)
+    with pytest.raises(GenerationError, match="at least"):
+        model.inputs(model.prepare([model.tokenizer.encode(PROMPT)], 4, "ar"), logprobs=1)
