@@ -9,6 +9,7 @@ are checked against those, is the reference for combinations and for the chi-squ
 """
 
 import collections
+import functools
 import os
 
 import jax
@@ -292,13 +293,25 @@ def ar_distribution(values, temperature, schema=False):
     return dist
 
 
-@jax.jit
-def tree_round(key, prev2, root, s, history, temperature):
-    draft = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (root.shape[0], L, V))
-    tree = ddtree.build_tree(root, draft, 6)
+@functools.partial(jax.jit, static_argnames="schema")
+def tree_round(key, prev2, root, s, history, temperature, schema=False):
+    """One DDTree round on the toy chain; with ``schema``, under the automaton through the engine's pieces: the
+    tree keeps only allowed prefixes, every node's state masks the target's logits there (``constrained.mask``)
+    before the processors."""
+    rows = root.shape[0]
+    draft = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (rows, L, V))
+    if schema:
+        tables = GrammarTables(jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (rows, V)),
+                               jnp.broadcast_to(jnp.asarray(NEXT), (rows, V, V)), jnp.ones((rows, V), bool))
+        step = constrained.step(tables)
+        tree = ddtree.build_tree(root, draft, 6, step, root, constrained.allowed(tables, root[:, None])[:, 0])
+    else:
+        tree = ddtree.build_tree(root, draft, 6)
     parent_tok = jnp.where(tree.parents >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(tree.parents, 0), 1),
                            prev2[:, None])
     logits = jnp.log(jnp.asarray(P)[parent_tok, tree.tokens])                          # [rows, 1+N, V]
+    if schema:
+        logits = constrained.mask(logits, tables, ddtree.node_states(tree, step, root, L))
     target = processors.choose(logits, s, history, temperature, key, True, tree)
     path, path_len, bonus = ddtree.walk(tree, target, L)
     tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), 1)
@@ -307,29 +320,7 @@ def tree_round(key, prev2, root, s, history, temperature):
     return emitted, path_len
 
 
-@jax.jit
-def constrained_tree_round(key, prev2, root, s, history, temperature):
-    """``tree_round`` under the schema, through the engine's pieces: the tree keeps only allowed prefixes, every
-    node's state masks the target's logits there (``constrained.mask``) before the processors."""
-    rows = root.shape[0]
-    tables = GrammarTables(jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (rows, V)),
-                           jnp.broadcast_to(jnp.asarray(NEXT), (rows, V, V)), jnp.ones((rows, V), bool))
-    step = constrained.step(tables)
-    draft = jnp.broadcast_to(jnp.log(jnp.asarray(Q)), (rows, L, V))
-    tree = ddtree.build_tree(root, draft, 6, step, root, constrained.allowed(tables, root[:, None])[:, 0])
-    states = ddtree.node_states(tree, step, root, L)
-    parent_tok = jnp.where(tree.parents >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(tree.parents, 0), 1),
-                           prev2[:, None])
-    logits = constrained.mask(jnp.log(jnp.asarray(P)[parent_tok, tree.tokens]), tables, states)
-    target = processors.choose(logits, s, history, temperature, key, True, tree)
-    path, path_len, bonus = ddtree.walk(tree, target, L)
-    tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), 1)
-    emitted = jnp.where(jnp.arange(L + 1) == (path_len - 1)[:, None], bonus[:, None],
-                        jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1))
-    return emitted, path_len
-
-
-def first_three(values, temperature, seed=0, round_fn=tree_round):
+def first_three(values, temperature, seed=0, schema=False):
     s = processors.sampling(ROWS, V, **values)
     seq = np.zeros((ROWS, 2 + 3 * (L + 1)), np.int32)       # prompt, root, then what the rounds emit
     seq[:, 0], seq[:, 1] = PROMPT[0], ROOT
@@ -343,8 +334,8 @@ def first_three(values, temperature, seed=0, round_fn=tree_round):
     while n.min() < 5:
         key, sub = jax.random.split(key)
         history = processors.History(counts=jnp.asarray(counts), in_prompt=jnp.asarray(in_prompt))
-        emitted, path_len = jax.device_get(round_fn(sub, jnp.asarray(seq[rows, n - 2]), jnp.asarray(seq[rows, n - 1]),
-                                                    s, history, jnp.float32(temperature)))
+        emitted, path_len = jax.device_get(tree_round(sub, jnp.asarray(seq[rows, n - 2]), jnp.asarray(seq[rows, n - 1]),
+                                                      s, history, jnp.float32(temperature), schema=schema))
         for j in range(L + 1):
             take = j < path_len
             seq[rows[take], n[take] + j] = emitted[take, j]
@@ -382,7 +373,7 @@ def test_ddtree_sampling_under_a_schema_is_lossless(name):
     """The tree under an automaton, each node's state masking the target: accepted tokens are AR sampling from
     the masked, processed distribution (refused continuations never occur: chi2_test asserts it)."""
     values, temperature = CONFIGS[name]
-    samples = first_three(values, temperature, round_fn=constrained_tree_round)
+    samples = first_three(values, temperature, schema=True)
     stat, critical = chi2_test(samples, ar_distribution(values, temperature, schema=True))
     print(f"chi2[{name} under a schema] = {stat:.1f} (critical {critical:.1f})")
     assert stat < critical
