@@ -143,14 +143,20 @@ def test_int4_moe_matches_reference(t, k, kind):
         check_close(moe(x, idx, w, ex, impl="pallas", block_m=64), ref)
 
 
-@pytest.mark.interpret
-@pytest.mark.slow
-def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
-    # D = 96 and F = 64 are padded to 256 inside the kernel layout; weights compressed by the package itself
+def padded_case(fixtures_dir):
+    """(experts, topk_idx, topk_weight, x) with D = 96 and F = 64, which the kernel layout pads to 256; the weights
+    compressed by the compressed-tensors package itself."""
     ex = fixture_experts(fixtures_dir, "e2_d96_f64")
     idx = jnp.asarray([[0, 1], [1, 0], [1, 0], [0, 1], [1, 0]], jnp.int32)
     w = jnp.asarray(np.random.default_rng(1).uniform(size=(5, 2)), jnp.float32)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 96)), jnp.float32)
+    return ex, idx, w, x
+
+
+@pytest.mark.interpret
+@pytest.mark.slow
+def test_int4_moe_padded_dims_from_compressed_tensors(fixtures_dir):
+    ex, idx, w, x = padded_case(fixtures_dir)
     ref = int4_moe_reference(x, idx, w, ex)
     check_close(moe(x, idx, w, ex, impl="xla"), ref)
     check_close(moe(x, idx, w, ex, impl="pallas", block_m=32), ref)

@@ -15,7 +15,7 @@ from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.pallas_tpu import TILES, int4_moe_tpu, tile_shape
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
 from kimi_jax.ops.int4_moe.rules import TPU_BLOCK_M, TPU_KINDS, MoeCall, tpu_rules
-from test_int4_moe import D, check_close, fixture_experts, random_experts, routing
+from test_int4_moe import D, check_close, padded_case, random_experts, routing
 
 tpu = jax.jit(int4_moe_tpu, static_argnames=("interpret", "block_m", "device_kind"))
 
@@ -60,11 +60,7 @@ def test_bf16_activations_and_v6e_tiles():
 
 @pytest.mark.interpret
 def test_padded_dims_from_compressed_tensors(fixtures_dir):
-    # D = 96 and F = 64 are padded to 256 in the kernel layout (K tiles); weights compressed by the package itself
-    ex = fixture_experts(fixtures_dir, "e2_d96_f64")
-    idx = jnp.asarray([[0, 1], [1, 0], [1, 0], [0, 1], [1, 0]], jnp.int32)
-    w = jnp.asarray(np.random.default_rng(1).uniform(size=(5, 2)), jnp.float32)
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 96)), jnp.float32)
+    ex, idx, w, x = padded_case(fixtures_dir)      # D 96, F 64: padded to 256 in the kernel layout (K tiles)
     check_close(tpu(x, idx, w, ex, interpret=True), int4_moe_reference(x, idx, w, ex))
 
 

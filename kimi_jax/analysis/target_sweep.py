@@ -188,47 +188,45 @@ def _gb(x) -> str:
     return f"{x / 1e9:.1f}"
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown table of the cells: per-device memory, fit, collectives, launches per round, compile time (TPU
-    cells: the Pallas TPU kernels in the HLO, where GPU cells count GPU ops)."""
-    if any(r.get("target") in targets.TARGETS and targets.get_target(r["target"]).platform == "tpu" for r in rows):
-        return _tpu_table(rows)
-    head = ("| strategy | batch | context | round | args GB | temp GB | total GB / device | fits | all-reduce n | "
-            "other collectives n | GPU ops | host launches | host syncs | copies GB | compile s |")
-    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
-    for r in rows:
-        lead = f"| {r['strategy']} | {r['batch']} | {r['context']} | {r['round']} |"
-        if r["status"] != "ok":
-            lines.append(lead + f" {r['status'][:100]} |" + " |" * 10)
-            continue
-        other = _other_collectives(r)
-        fit = "yes" if r["fits"] else f"no (+{_gb(r['device_bytes'] - r['memory_bytes'])} GB)"
-        lines.append(lead + f" {_gb(r['argument_bytes'])} | {_gb(r['temp_bytes'])} | {_gb(r['device_bytes'])} | "
-                     f"{fit} | {r.get('all_reduce_count', 0)} | {other} | {r.get('gpu_ops', '-')} | "
-                     f"{r.get('host_launches', '-')} | {r.get('host_syncs', '-')} | "
-                     f"{_gb(r['copy_bytes']) if 'copy_bytes' in r else '-'} | {r['compile_s']} |")
-    return "\n".join(lines)
-
-
 def _other_collectives(r: dict) -> int:
     return sum(r.get(f"{k}_count", 0) for k in ("all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
 
 
-def _tpu_table(rows: list[dict]) -> str:
-    """The TPU cells: mesh, memory per device and fit, collectives and Pallas TPU kernels in the HLO (a layer
-    scan's body counted once), libtpu's cost analysis, compile time."""
-    head = ("| mesh | strategy | batch | context | round | args GB | temp GB | total GB / device | fits | all-reduce "
-            "n (HLO) | other collectives n | Pallas TPU kernels (HLO) | GFLOP (cost analysis) | compile s |")
-    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+def _fit(r: dict) -> str:
+    return "yes" if r["fits"] else f"no (+{_gb(r['device_bytes'] - r['memory_bytes'])} GB)"
+
+
+# A table's columns after the cell's own (header, cell text of an "ok" row): memory and collectives for every
+# target, then GPU cells' launches per round or TPU cells' Pallas TPU kernels in the HLO (a layer scan's body
+# counted once) and libtpu's cost analysis
+_MEMORY = [("args GB", lambda r: _gb(r["argument_bytes"])), ("temp GB", lambda r: _gb(r["temp_bytes"])),
+           ("total GB / device", lambda r: _gb(r["device_bytes"])), ("fits", _fit)]
+_GPU_COLUMNS = _MEMORY + [
+    ("all-reduce n", lambda r: r.get("all_reduce_count", 0)), ("other collectives n", _other_collectives),
+    ("GPU ops", lambda r: r.get("gpu_ops", "-")), ("host launches", lambda r: r.get("host_launches", "-")),
+    ("host syncs", lambda r: r.get("host_syncs", "-")),
+    ("copies GB", lambda r: _gb(r["copy_bytes"]) if "copy_bytes" in r else "-"),
+    ("compile s", lambda r: r["compile_s"])]
+_TPU_COLUMNS = _MEMORY + [
+    ("all-reduce n (HLO)", lambda r: r.get("all_reduce_count", 0)), ("other collectives n", _other_collectives),
+    ("Pallas TPU kernels (HLO)", lambda r: r.get("tpu_kernels", "-")),
+    ("GFLOP (cost analysis)", lambda r: f"{r.get('flops', 0) / 1e9:.1f}"), ("compile s", lambda r: r["compile_s"])]
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of the cells: per-device memory, fit, collectives, launches per round (TPU cells: the mesh,
+    the Pallas TPU kernels and libtpu's FLOPs), compile time."""
+    tpu = any(r.get("target") in targets.TARGETS and targets.get_target(r["target"]).platform == "tpu" for r in rows)
+    keys = ("mesh",) * tpu + ("strategy", "batch", "context", "round")
+    columns = _TPU_COLUMNS if tpu else _GPU_COLUMNS
+    head = "| " + " | ".join([*keys, *(h for h, _ in columns)]) + " |"
+    lines = [head, "|" + "|".join(["---"] * (len(keys) + len(columns))) + "|"]
     for r in rows:
-        lead = f"| {r.get('mesh', '')} | {r['strategy']} | {r['batch']} | {r['context']} | {r['round']} |"
+        lead = "| " + " | ".join(str(r.get(k, "")) for k in keys) + " |"
         if r["status"] != "ok":
-            lines.append(lead + f" {r['status'][:100]} |" + " |" * 8)
-            continue
-        fit = "yes" if r["fits"] else f"no (+{_gb(r['device_bytes'] - r['memory_bytes'])} GB)"
-        lines.append(lead + f" {_gb(r['argument_bytes'])} | {_gb(r['temp_bytes'])} | {_gb(r['device_bytes'])} | "
-                     f"{fit} | {r.get('all_reduce_count', 0)} | {_other_collectives(r)} | {r.get('tpu_kernels', '-')}"
-                     f" | {r.get('flops', 0) / 1e9:.1f} | {r['compile_s']} |")
+            lines.append(lead + f" {r['status'][:100]} |" + " |" * (len(columns) - 1))
+        else:
+            lines.append(lead + "".join(f" {cell(r)} |" for _, cell in columns))
     return "\n".join(lines)
 
 
