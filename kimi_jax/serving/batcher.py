@@ -206,9 +206,8 @@ class Batcher:
         self._round_s = {}                  # slot bucket -> seconds per round, measured on its dispatches
         # the processing kinds also carry every row's automaton (a row without one allows everything)
         self.grammar_shape = grammar_shape
-        # processing=False: only the plain kinds (half the programs and the warm-up); a request that needs the
-        # processing kind is refused at submit
-        self.processing = processing
+        # processing=False: only the plain kinds (half the programs and the warm-up); a request of a kind not in
+        # specs is refused at submit
         self.specs = {(s, p): model.spec(self.method, budget, 1.0 if s else 0.0, process=p)._replace(
                       grammar=grammar_shape if p else None, logprobs=fields.LOGPROBS_MAX if p else None)
                       for s in (False, True) for p in ((False, True) if processing else (False,))}
@@ -618,8 +617,8 @@ class Batcher:
     def _admitted(self, slot: int, ids: list[int], temperature: float, seed: int, max_tokens: int,
                   fresh_slots: int, processing: dict) -> int:
         """Prompt ``ids`` prefilled into ``slot`` of the batch (of a new batch of ``fresh_slots`` slots if > 0,
-        which takes its temperature and seed) with its logits processors; -> the prompt tokens the prefix cache
-        served."""
+        whose key comes from this seed) at its own temperature, with its logits processors; -> the prompt tokens
+        the prefix cache served."""
         group, t = _group(temperature, processing), max(temperature, 1e-6)
         state = self._state
         if fresh_slots:

@@ -20,7 +20,7 @@ from kimi_jax.serving.tools import ChatTemplateKwargs, MessageToolCall, Tool, To
 # OpenAI request fields this server does not implement, with the values that ask for nothing (besides null):
 # any other value is a 400 that names the field. Fields that only identify the caller are accepted as they are.
 # (`tools` and `tool_choice` are chat fields: here they only keep a completion request from asking for them.
-# `parallel_tool_calls: false` would need constrained decoding to hold.)
+# `parallel_tool_calls: false` would need the reply's grammar to allow one call: not wired to it yet.)
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),

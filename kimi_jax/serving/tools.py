@@ -158,24 +158,21 @@ class ToolPlan:
         call is the rest of its call section; "auto" is an optional thought, then any text and an optional call
         section, or with ``content`` (the response format's regex) that content or a call section. A strict tool's
         arguments match its ``parameters`` schema, another's are any text."""
-        m = MARKER_CHARS
-        text = f"[^\\x00-{_escape(max(m.values()))}]*"        # any text without a marker
-        calls = []
+        x = {marker: f"\\x{ord(c):02x}" for marker, c in MARKER_CHARS.items()}      # each marker, escaped
+        text = f"[^\\x00-{max(x.values())}]*"          # any text without a marker (they are \x01, \x02, ...)
+        after_name = {}                                 # each tool's call after "functions.NAME:"
         for name, tool in self.declared.items():
             params = tool.function.parameters or {"type": "object", "properties": {}}
-            where = f"tools function {name!r} parameters"
-            args = schema_regex(params, where) if tool.function.strict else text
-            header = f"{re.escape(name)}:{CALL_INDEX}{_escape(m[ARGUMENTS])}"
-            calls.append((name, f"{header}(?:{args}){_escape(m[END_CALL])}"))
-        one = "(?:" + "|".join(f"functions\\.{body}" for _, body in calls) + ")"
-        more = f"(?:{_escape(m[CALL])}{one})*{_escape(m[END_SECTION])}"
-        if isinstance(self.choice, NamedToolChoice):      # the pre-fill wrote "functions.NAME:"
-            body = dict(calls)[self.choice.function.name]
-            return body.removeprefix(re.escape(self.choice.function.name) + ":") + _escape(m[END_SECTION])
-        if self.choice == "required":
-            return one + more
-        thought = f"(?:{_escape(m[THINK])}{text}{_escape(m[END_THINK])})?" if self.thinking is not False else ""
-        section = f"{_escape(m[SECTION])}{_escape(m[CALL])}{one}{more}"
+            args = schema_regex(params, f"tools function {name!r} parameters") if tool.function.strict else text
+            after_name[name] = f"{CALL_INDEX}{x[ARGUMENTS]}(?:{args}){x[END_CALL]}"
+        if isinstance(self.choice, NamedToolChoice):      # the pre-fill wrote "functions.NAME:"; one call
+            return after_name[self.choice.function.name] + x[END_SECTION]
+        one = "(?:" + "|".join(f"functions\\.{re.escape(n)}:{rest}" for n, rest in after_name.items()) + ")"
+        calls = f"{one}(?:{x[CALL]}{one})*{x[END_SECTION]}"
+        if self.choice == "required":                   # the pre-fill opened the section and the first call
+            return calls
+        thought = f"(?:{x[THINK]}{text}{x[END_THINK]})?" if self.thinking is not False else ""
+        section = f"{x[SECTION]}{x[CALL]}{calls}"
         if content is None:
             return f"{thought}{text}(?:{section})?"
         return f"{thought}(?:(?:{content})|{section})"          # the format's content, or calls
@@ -276,8 +273,3 @@ def _merge(a: dict, b: dict) -> None:
 
 def _show(choice) -> str:
     return f'"{choice}"' if isinstance(choice, str) else f"for function {choice.function.name!r}"
-
-
-def _escape(char: str) -> str:
-    """A marker character as a regex escape."""
-    return f"\\x{ord(char):02x}"
