@@ -52,17 +52,18 @@ def brute_force(lp: np.ndarray, budget: int, table, start: int) -> list[tuple]:
     return [(toks, -neg) for neg, _, toks in found[:budget]]
 
 
+@pytest.mark.parametrize("method", ("count", "sort"))
 @pytest.mark.parametrize("depth_l,vocab,budget,refuse", [(3, 5, 7, 0.4), (2, 6, 12, 0.5), (4, 3, 9, 0.3),
                                                           (3, 4, 5, 0.0)])
-def test_constrained_tree_is_the_best_allowed_prefixes(depth_l, vocab, budget, refuse):
+def test_constrained_tree_is_the_best_allowed_prefixes(depth_l, vocab, budget, refuse, method):
     rng = np.random.default_rng(depth_l * 100 + vocab)
     rows = 4
     table = random_automaton(rng, 5, vocab, refuse)
     lp = log_softmax32(rng.normal(size=(rows, depth_l, vocab)) * 2)
     starts = np.array([0, 1, 2, 3], np.int32)
     roots = np.arange(rows, dtype=np.int32)
-    tree = jax.jit(ddtree.build_tree_from_log_probs, static_argnums=(2, 3))(
-        jnp.asarray(roots), jnp.asarray(lp), budget, stepper(table), jnp.asarray(starts))
+    tree = jax.jit(ddtree.build_tree_from_log_probs, static_argnums=(2, 3), static_argnames="method")(
+        jnp.asarray(roots), jnp.asarray(lp), budget, stepper(table), jnp.asarray(starts), method=method)
     states = ddtree.node_states(tree, stepper(table), jnp.asarray(starts), depth_l)
     for b in range(rows):
         want = brute_force(lp[b], budget, table, int(starts[b]))

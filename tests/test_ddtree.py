@@ -20,7 +20,7 @@ from hypothesis.extra import numpy as hnp
 from kimi_jax.decoding import ddtree
 
 ROWS = 4
-build = jax.jit(ddtree.build_tree_from_log_probs, static_argnums=2)
+build = jax.jit(ddtree.build_tree_from_log_probs, static_argnums=2, static_argnames="method")
 build_logits = jax.jit(ddtree.build_tree, static_argnums=2)
 mask_fn = jax.jit(ddtree.ancestor_mask)
 walk_fn = jax.jit(ddtree.walk, static_argnums=2)
@@ -59,9 +59,9 @@ def tables(draw, depth_l: int, vocab: int):
     return x
 
 
-def build_np(lp: np.ndarray, budget: int, root=None) -> dict:
+def build_np(lp: np.ndarray, budget: int, root=None, method: str = "auto") -> dict:
     root = np.arange(len(lp), dtype=np.int32) + 100 if root is None else root
-    tree = build(jnp.asarray(root), jnp.asarray(lp), budget)
+    tree = build(jnp.asarray(root), jnp.asarray(lp), budget, method=method)
     return {k: np.asarray(v) for k, v in tree._asdict().items()}
 
 
@@ -88,15 +88,20 @@ def check_structure(t: dict, b: int, lp: np.ndarray, budget: int) -> None:
         assert dep[1] == 1 and tok[1] == np.argsort(-lp[0], kind="stable")[0]  # node 1 = (depth 1, rank 0)
 
 
+# the two builders (module doc of ddtree: "auto" counts at these sizes); each must be the heap's tree
+METHODS = ("count", "sort")
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("depth_l,vocab,budget", CASES)
-def test_matches_heap_and_brute_force(depth_l, vocab, budget):
+def test_matches_heap_and_brute_force(depth_l, vocab, budget, method):
     """Golden tests 1-2: same nodes, order, parents, depths and scores as the heap; top-N scores of all prefixes."""
 
     @SETTINGS
     @given(tables(depth_l, vocab))
     def run(logits):
         lp = log_softmax32(logits)
-        t = build_np(lp, budget)
+        t = build_np(lp, budget, method=method)
         for b in range(ROWS):
             check_structure(t, b, lp[b], budget)
             ref = heap_tree(lp[b], budget)
@@ -114,8 +119,9 @@ def test_matches_heap_and_brute_force(depth_l, vocab, budget):
     run()
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("depth_l,vocab,small,large", [(3, 3, 7, 39), (4, 6, 13, 40)])
-def test_nesting(depth_l, vocab, small, large):
+def test_nesting(depth_l, vocab, small, large, method):
     """Golden test 3: T_N is the first N nodes of T_N'. The tie-break is a total order independent of N, so
     this holds even with ties (the paper states it for tie-free tables)."""
 
@@ -123,7 +129,7 @@ def test_nesting(depth_l, vocab, small, large):
     @given(tables(depth_l, vocab))
     def run(logits):
         lp = log_softmax32(logits)
-        a, c = build_np(lp, small), build_np(lp, large)
+        a, c = build_np(lp, small, method=method), build_np(lp, large, method=method)
         for key in ("tokens", "parents", "depths", "scores", "valid"):
             np.testing.assert_array_equal(a[key], c[key][:, : 1 + small])
 
@@ -303,12 +309,13 @@ def test_build_tree_from_logits_and_bf16():
     assert tb.scores.dtype == jnp.float32 and bool(tb.valid.all())
 
 
-def test_negative_zero_log_probs():
+@pytest.mark.parametrize("method", METHODS)
+def test_negative_zero_log_probs(method):
     """-0.0 and +0.0 are equal to the heap; XLA's top_k orders -0.0 lower, which must not reorder a chain of
     probability-1 tokens (a child scoring +0.0 would otherwise beat its -0.0 parent)."""
     lp = np.array([[-0.0, -3.0, -np.inf], [0.0, -2.0, -np.inf], [-0.0, -1.0, -4.0]], np.float32)
     lp = np.broadcast_to(lp, (ROWS, 3, 3)).copy()
-    t = build_np(lp, 10)
+    t = build_np(lp, 10, method=method)
     ref = heap_tree(lp[0], 10)
     for b in range(ROWS):
         check_structure(t, b, lp[b], 10)
@@ -323,3 +330,17 @@ def test_top_k_breaks_ties_by_index():
     vals, idx = np.asarray(vals), np.asarray(idx)
     same = vals[:, 1:] == vals[:, :-1]
     assert (np.diff(vals, axis=1) <= 0).all() and (np.diff(idx, axis=1)[same] > 0).all()
+
+
+def test_the_builders_agree_past_the_counting_bound():
+    """Above ``COUNT_MAX`` "auto" sorts; forced counting gives the same tree there (budget 48 over 40 tokens:
+    1920 candidates a depth), and a budget whose ranks do not fit the packed digits is refused by name."""
+    lp = log_softmax32(np.random.default_rng(3).integers(0, 3, size=(2, 3, 40)).astype(np.float32))
+    root = np.zeros(2, np.int32)
+    a, c = build_np(lp, 48, root, method="auto"), build_np(lp, 48, root, method="count")
+    for key in a:
+        np.testing.assert_array_equal(a[key], c[key])
+    with pytest.raises(ValueError, match="packs ranks"):
+        build_np(log_softmax32(np.zeros((1, 2, 80), np.float32)), 70, np.zeros(1, np.int32), method="count")
+    with pytest.raises(ValueError, match="method must be"):
+        build_np(lp, 4, root, method="heap")

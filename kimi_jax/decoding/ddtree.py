@@ -37,6 +37,16 @@ ties are exact, not approximate.
 Cost: log_softmax + top_k over [L, V]; then per depth one top_k over N*K candidates, i.e. O(L*N*K) work with
 K = min(N, V) (1M candidates per depth at N = 1024); pre-order and the final top_k over L*N are O(L*N).
 
+Two builders give that same tree (``method``). "sort" is the above: per depth a top_k and a sort, pre-order
+numbers from subtree sizes (scatter-adds, cumsums), five scatters a depth into the pre-order layout, a final
+top_k. On a GPU that is ~100 small kernels at N = 16, L = 7 (docs/gpu_overhead.md). "count" selects by counting
+instead: a candidate's place is the number of candidates ahead of it in the same order (a [M, M] compare summed
+per candidate), and a one-hot reduction gathers the first N. Levels are kept in score order, and each node
+carries its rank tuple packed into int32 words (6 bits a rank, most significant first, ranks + 1 so that a
+prefix sorts before its extensions), so ties compare by tuple across depths without pre-order numbers: 3 GPU
+kernels a depth and ~4 for the final order. Its work is O(L*(N*K)^2 + (L*N)^2), so "auto" counts only up to
+``COUNT_MAX`` (1024) candidates a depth and kept nodes in all, i.e. budgets up to 32; above, it sorts.
+
 Padding: when fewer than N prefixes exist (V + V^2 + ... + V^L < N) the tail slots have valid=False,
 token 0, parent 0, depth 0 and score -inf. They appear after every valid node. The engine masks them out of
 attention and the walk never enters them.
@@ -107,16 +117,23 @@ def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int, step: Step
     return build_tree_from_log_probs(root, log_probs, budget, step, root_state)
 
 
+# Up to this many candidates per depth (N x K) and kept nodes (L x N), "auto" builds by counting (module doc)
+COUNT_MAX = 1024
+_DIGIT_BITS, _DIGITS_PER_WORD = 6, 5    # a rank tuple packed into int32 words: rank + 1 < 64 when K <= 32
+
+
 def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int, step: Step | None = None,
-                              root_state: jax.Array | None = None) -> Tree:
+                              root_state: jax.Array | None = None, method: str = "auto") -> Tree:
     """`build_tree` on normalised log-probs [B, L, V] (float32, every entry <= 0 so that a parent never scores
-    below its child). Tests call this directly to feed the heap reference bit-identical log-probs."""
+    below its child). Tests call this directly to feed the heap reference bit-identical log-probs. ``method``:
+    "sort", "count", or "auto": counting up to ``COUNT_MAX`` (module doc)."""
+    if method not in ("auto", "sort", "count"):
+        raise ValueError(f"method must be 'auto', 'sort' or 'count', got {method!r}")
     n = int(budget)
     bsz, depth_l, vocab = log_probs.shape
     if n <= 0 or depth_l == 0:
         return root_only(root, max(n, 0))
     k = min(n, vocab)
-    rows = jnp.arange(bsz)[:, None]
     # Top-K tokens per depth, ties: lower id first. Rows flattened to 2-D: in this program XLA:CPU lowered
     # the 3-D top_k to a full sort over V instead of its TopK kernel (20x slower at V = 163840).
     top_lp, top_id = jax.lax.top_k(log_probs.astype(jnp.float32).reshape(bsz * depth_l, vocab), k)
@@ -125,48 +142,72 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
     # XLA's top_k ranks -0.0 below +0.0 (total order); a heap treats them as equal. Only a probability-1
     # token can have log-prob 0, so normalising the sign after selection is enough.
     top_lp = jnp.where(top_lp == 0.0, 0.0, top_lp)
+    if method == "count" or (method == "auto" and max(n * k, depth_l * n) <= COUNT_MAX):
+        if k >= 1 << _DIGIT_BITS:
+            raise ValueError(f"counting packs ranks into {_DIGIT_BITS} bits: budget {n} > {(1 << _DIGIT_BITS) - 1}")
+        tokens, parents, depths, scores, valid = _tree_by_counting(top_lp, top_id, n, step, root_state)
+    else:
+        tokens, parents, depths, scores, valid = _tree_by_sorting(top_lp, top_id, n, step, root_state)
+    return Tree(
+        tokens=jnp.concatenate([root.astype(jnp.int32)[:, None], jnp.where(valid, tokens, 0)], axis=1),
+        parents=jnp.concatenate([jnp.full((bsz, 1), -1, jnp.int32), jnp.where(valid, parents, 0)], axis=1),
+        depths=jnp.concatenate([jnp.zeros((bsz, 1), jnp.int32), jnp.where(valid, depths, 0)], axis=1),
+        scores=jnp.concatenate([jnp.zeros((bsz, 1), jnp.float32), jnp.where(valid, scores, -jnp.inf)], axis=1),
+        valid=jnp.concatenate([jnp.ones((bsz, 1), bool), valid], axis=1),
+    )
 
-    # Step 2: per depth, the N best extensions of the previous depth's N kept prefixes. Each level is stored
-    # in rank-tuple order; invalid slots (fewer than N prefixes exist) sit at the end with score -inf.
+
+def _candidates(par_score, par_valid, par_state, lp, ids, n: int, step: Step | None):
+    """One depth's candidates, each parent slot's K children in rank order, flattened to [B, max(N, P*K)]:
+    (score, valid, token, state or None, parent slot, rank). The padding (fewer than N candidates: a tiny
+    vocab at a shallow depth) is invalid, -inf, and points at the last parent."""
+    bsz, n_par = par_score.shape
+    k = lp.shape[1]
+    flat = lambda a: jnp.broadcast_to(a, (bsz, n_par, k)).reshape(bsz, n_par * k)  # noqa: E731
+    score = flat(par_score[:, :, None] + lp[:, None, :])
+    valid = flat(par_valid[:, :, None])
+    token = flat(ids[:, None, :])
+    state = None
+    if step is not None:        # a candidate the automaton refuses after its parent is no candidate
+        state = step(flat(par_state[:, :, None]), token)
+        valid = valid & (state >= 0)
+    score = jnp.where(valid, score, -jnp.inf)
+    parent = flat(jnp.arange(n_par, dtype=jnp.int32)[None, :, None])
+    rank = flat(jnp.arange(k, dtype=jnp.int32)[None, None, :])
+    pad = max(n - n_par * k, 0)
+    fills = (-jnp.inf, False, 0, -1, n_par - 1, 0)
+    return tuple(None if a is None else jnp.pad(a, ((0, 0), (0, pad)), constant_values=c)
+                 for a, c in zip((score, valid, token, state, parent, rank), fills))
+
+
+def _tree_by_sorting(top_lp, top_id, n: int, step: Step | None, root_state):
+    """Steps 2-3 with top_k and sorts (module doc): levels in rank-tuple order, pre-order numbers, one top_k."""
+    bsz, depth_l, _ = top_lp.shape
+    rows = jnp.arange(bsz)[:, None]
     levels = []  # per depth: (score, valid, parent slot in previous level, token), each [B, N]
     par_score = jnp.zeros((bsz, 1), jnp.float32)
     par_valid = jnp.ones((bsz, 1), bool)
     par_state = None if step is None else root_state.astype(jnp.int32)[:, None]
     for d in range(depth_l):
-        n_par = par_score.shape[1]
-        cand = (par_score[:, :, None] + top_lp[:, d, None, :]).reshape(bsz, n_par * k)
-        cand_valid = jnp.broadcast_to(par_valid[:, :, None], (bsz, n_par, k)).reshape(bsz, n_par * k)
-        if step is not None:        # a candidate the automaton refuses after its parent is no candidate
-            cand_state = step(jnp.repeat(par_state, k, axis=1), jnp.tile(top_id[:, d], (1, n_par)))
-            cand_valid = cand_valid & (cand_state >= 0)
-        cand = jnp.where(cand_valid, cand, -jnp.inf)
-        if n_par * k < n:  # only at shallow depths with a tiny vocab: pad so top_k can return N
-            pad = n - n_par * k
-            cand = jnp.pad(cand, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-            cand_valid = jnp.pad(cand_valid, ((0, 0), (0, pad)))
-            if step is not None:
-                cand_state = jnp.pad(cand_state, ((0, 0), (0, pad)), constant_values=-1)
+        cand, cand_valid, cand_token, cand_state, cand_parent, _ = _candidates(
+            par_score, par_valid, par_state, top_lp[:, d], top_id[:, d], n, step)
         # Stable top_k: among equal scores the lower flat index, i.e. the smaller rank tuple, wins; and a
         # valid -inf candidate beats the invalid ones, which all lie further right.
         _, idx = jax.lax.top_k(cand, n)
         idx = jnp.sort(idx, axis=-1)  # back to rank-tuple order for the next depth
-        score = jnp.take_along_axis(cand, idx, axis=1)
-        valid = jnp.take_along_axis(cand_valid, idx, axis=1)
-        parent = jnp.minimum(idx // k, n_par - 1)  # padding indices point past the last parent; clamp
-        token = jnp.take_along_axis(top_id[:, d], idx % k, axis=1)
-        levels.append((score, valid, parent, token))
-        par_score, par_valid = score, valid
+        take = lambda a: jnp.take_along_axis(a, idx, axis=1)  # noqa: E731
+        levels.append((take(cand), take(cand_valid), take(cand_parent), take(cand_token)))
+        par_score, par_valid = levels[-1][:2]
         if step is not None:
-            par_state = jnp.take_along_axis(cand_state, idx, axis=1)
+            par_state = take(cand_state)
 
-    # Step 3a: pre-order numbers of the kept forest (root = 0, nodes 1..M), which order nodes exactly as
-    # Python orders their rank tuples. Subtree sizes bottom-up, then each node's number is its parent's + 1 +
-    # the sizes of its earlier siblings' subtrees (siblings are contiguous and rank-ordered in a level).
+    # Pre-order numbers of the kept forest (root = 0, nodes 1..M), which order nodes exactly as Python orders
+    # their rank tuples. Subtree sizes bottom-up, then each node's number is its parent's + 1 + the sizes of its
+    # earlier siblings' subtrees (siblings are contiguous and rank-ordered in a level).
     sizes = [None] * depth_l
     sizes[-1] = levels[-1][1].astype(jnp.int32)
     for d in range(depth_l - 2, -1, -1):
-        _, _, child_parent, _ = levels[d + 1]
-        below = jnp.zeros((bsz, n), jnp.int32).at[rows, child_parent].add(sizes[d + 1])
+        below = jnp.zeros((bsz, n), jnp.int32).at[rows, levels[d + 1][2]].add(sizes[d + 1])
         sizes[d] = jnp.where(levels[d][1], 1 + below, 0)
     pre = []
     par_pre = jnp.zeros((bsz, 1), jnp.int32)
@@ -182,8 +223,8 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
         pre.append(jnp.where(valid, p, -1))
         par_pre = p
 
-    # Step 3b: lay all kept nodes out by pre-order (slot 0 = root, unused slots invalid/-inf after slot M)
-    # and take the global top-N; stable top_k makes equal scores come out in rank-tuple order.
+    # Lay all kept nodes out by pre-order (slot 0 = root, unused slots invalid/-inf after slot M) and take the
+    # global top-N; stable top_k makes equal scores come out in rank-tuple order.
     size = 1 + depth_l * n
     flat_score = jnp.full((bsz, size), -jnp.inf, jnp.float32)
     flat_valid = jnp.zeros((bsz, size), bool)
@@ -205,18 +246,73 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
 
     # Renumber parents: pre-order number -> final index (root 0 -> 0; padding has parent pre 0 -> 0).
     final_index = jnp.zeros((bsz, size), jnp.int32).at[rows, sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
-    valid = jnp.take_along_axis(flat_valid, sel, axis=1)
-    tokens = jnp.where(valid, jnp.take_along_axis(flat_token, sel, axis=1), 0)
-    parents = jnp.take_along_axis(final_index, jnp.take_along_axis(flat_parent, sel, axis=1), axis=1)
-    depths = jnp.take_along_axis(flat_depth, sel, axis=1)
-    scores = jnp.take_along_axis(flat_score, sel, axis=1)
-    return Tree(
-        tokens=jnp.concatenate([root.astype(jnp.int32)[:, None], tokens], axis=1),
-        parents=jnp.concatenate([jnp.full((bsz, 1), -1, jnp.int32), jnp.where(valid, parents, 0)], axis=1),
-        depths=jnp.concatenate([jnp.zeros((bsz, 1), jnp.int32), jnp.where(valid, depths, 0)], axis=1),
-        scores=jnp.concatenate([jnp.zeros((bsz, 1), jnp.float32), jnp.where(valid, scores, -jnp.inf)], axis=1),
-        valid=jnp.concatenate([jnp.ones((bsz, 1), bool), valid], axis=1),
-    )
+    take = lambda a: jnp.take_along_axis(a, sel, axis=1)  # noqa: E731
+    return (take(flat_token), jnp.take_along_axis(final_index, take(flat_parent), axis=1), take(flat_depth),
+            take(flat_score), take(flat_valid))
+
+
+def _tree_by_counting(top_lp, top_id, n: int, step: Step | None, root_state):
+    """Steps 2-3 without sorts or scatters (module doc): every selection is a count of the candidates ahead in
+    the heap's order, each node carrying its rank tuple packed into int32 words, so that levels can be kept in
+    score order and nodes of different depths compared directly."""
+    bsz, depth_l, _ = top_lp.shape
+    words = -(-depth_l // _DIGITS_PER_WORD)
+    par = dict(score=jnp.zeros((bsz, 1), jnp.float32), valid=jnp.ones((bsz, 1), bool),
+               state=None if step is None else root_state.astype(jnp.int32)[:, None],
+               **{f"key{w}": jnp.zeros((bsz, 1), jnp.int32) for w in range(words)})
+    kept = []                      # per depth, the N best in score order: dicts of [B, N]
+    for d in range(depth_l):
+        score, valid, token, state, parent, rank = _candidates(
+            par["score"], par["valid"], par["state"], top_lp[:, d], top_id[:, d], n, step)
+        key = [jnp.take_along_axis(par[f"key{w}"], parent, axis=1) for w in range(words)]
+        key[d // _DIGITS_PER_WORD] += (rank + 1) << (_DIGIT_BITS * (_DIGITS_PER_WORD - 1 - d % _DIGITS_PER_WORD))
+        place = _places(score, valid, key)
+        pick = _picker(place[:, None, :] == jnp.arange(n)[None, :, None])
+        par = dict(score=pick(score), valid=pick(valid), state=None if state is None else pick(state),
+                   token=pick(token), parent=pick(parent), **{f"key{w}": pick(a) for w, a in enumerate(key)})
+        kept.append(par)
+    # Every kept node of every depth; the final tree is the first N in the same order
+    flat = lambda f: jnp.concatenate([lv[f] for lv in kept], axis=1)  # noqa: E731
+    score, valid, token = flat("score"), flat("valid"), flat("token")
+    depth = jnp.repeat(jnp.arange(1, depth_l + 1, dtype=jnp.int32), n)
+    place = _places(score, valid, [flat(f"key{w}") for w in range(words)])
+    # a depth-d node's parent is slot p of depth d - 1 (flat index (d - 2) N + p); depth 1's is the root
+    parent_at = jnp.maximum(flat("parent") + (depth - 2) * n, 0)
+    parent = jnp.where(depth == 1, 0, jnp.take_along_axis(place, parent_at, axis=1) + 1)
+    pick = _picker(place[:, None, :] == jnp.arange(n)[None, :, None])
+    return pick(token), pick(parent), pick(jnp.broadcast_to(depth, score.shape)), pick(score), pick(valid)
+
+
+def _places(score, valid, key):
+    """Each node's place [B, M] in the heap's order: valid first, then score descending, then rank tuple (its
+    packed ``key``, int32 words [B, M] most significant first); invalid ones by index. A permutation of 0..M-1:
+    valid nodes' tuples differ."""
+    i = jnp.arange(score.shape[1])
+    key_before = jnp.zeros((*score.shape, score.shape[1]), bool)      # [B, node, other]: other's key < node's
+    key_equal = jnp.ones((*score.shape, score.shape[1]), bool)
+    for word in key:
+        mine, other = word[:, :, None], word[:, None, :]
+        key_before = key_before | (key_equal & (other < mine))
+        key_equal = key_equal & (other == mine)
+    mine, other = score[:, :, None], score[:, None, :]
+    both = valid[:, :, None] & valid[:, None, :]
+    ahead = jnp.where(both, (other > mine) | ((other == mine) & key_before),
+                      jnp.where(valid[:, None, :] != valid[:, :, None], valid[:, None, :], i[None, :] < i[:, None]))
+    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+
+
+def _picker(pick):
+    """A gather by a one-hot [B, n, M] (one True per row): a [B, M, ...] array's picked entries [B, n, ...], as
+    reductions XLA fuses into one kernel for every array picked (a float's by max: -inf and -0.0 pass exactly)."""
+    def take(a):
+        p = pick.reshape(*pick.shape, *(1,) * (a.ndim - 2))
+        a = a[:, None]
+        if a.dtype == jnp.bool_:
+            return jnp.any(p & a, axis=2)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.max(jnp.where(p, a, -jnp.inf), axis=2)
+        return jnp.sum(jnp.where(p, a, 0), axis=2, dtype=a.dtype)
+    return take
 
 
 def chain_tree(root: jax.Array, draft_tokens: jax.Array) -> Tree:
