@@ -218,7 +218,7 @@ def test_h200_today_about_9ms():
 def test_realistic_aggressive(name, lo, hi, eff, ar_us):
     # [k26-roofline]: eta 0.85, AR ~9 us (RTX: PCIe, budget 20-40 us), ~300 launches (~0.9 ms)
     prof = rl.PROFILES[name]
-    assert prof.allreduce_s == ar_us * US
+    assert prof.allreduce() == ar_us * US
     est = rl.predict_round_time(KIMI_K26, prof, 1, 4096, devices=8, efficiency=eff, overhead_s=0.9 * MS)
     assert lo <= est.total_s / MS <= hi
 
@@ -350,3 +350,45 @@ def test_design_overhead_counts_are_the_compiled_rounds():
     counted = layers * o.ops_per_layer + rl.KIMI_DFLASH.layers * o.ops_per_drafter_layer
     assert abs(counted + o.round_ops - row["gpu_ops"]) <= rl.KIMI_DFLASH.layers
     assert o.host_launches == row["host_launches"] and row["host_syncs"] == 0
+
+
+# ---- all-reduce implementations ([allreduce-one-shot], [allreduce-nccl]) ------------------------------------------
+
+def test_allreduce_latency_per_implementation():
+    assert H200.allreduce("one_shot") == 9 * US and H200.allreduce("nccl") == 22 * US
+    assert B300.allreduce_s == H200.allreduce_s                            # assumed as H100/H200
+    for name in ("rtx_pro_6000", "v5e", "v6e", "v5p", "tpu7x"):            # placeholders: one figure for both
+        prof = rl.PROFILES[name]
+        assert prof.allreduce("one_shot") == prof.allreduce("nccl")
+    with pytest.raises(ValueError, match="all-reduce implementation"):
+        H200.allreduce("ring")
+
+
+@pytest.mark.parametrize("width,drafter", [(1, None), (16, rl.KIMI_DFLASH), (64, rl.KIMI_DFLASH)])
+def test_nccl_adds_exactly_the_latency_difference_per_all_reduce(width, drafter):
+    """The message-size term is the same for both implementations; only the latency per all-reduce moves."""
+    one, nccl = (rl.predict_round_time(KIMI_K26, H200, width, 4096, devices=8, drafter=drafter, allreduce=impl)
+                 for impl in ("one_shot", "nccl"))
+    extra = one.n_collectives * (H200.allreduce("nccl") - H200.allreduce("one_shot"))
+    assert nccl.t_collectives - one.t_collectives == pytest.approx(extra, rel=1e-12)
+    assert nccl.total_s - one.total_s == pytest.approx(extra, rel=1e-12)
+    assert nccl.t_compute == one.t_compute and nccl.overhead_s == one.overhead_s
+
+
+def test_default_all_reduce_is_kimi_jax_default_compile():
+    from kimi_jax.config import Runtime
+    assert Runtime().one_shot_all_reduce                                  # XLA's one-shot kernel is the default
+    default = rl.design_projection(("h200",))["h200"]
+    one_shot = rl.design_projection(("h200",), allreduce="one_shot")["h200"]
+    assert [e.total_s for e in default] == [e.total_s for e in one_shot]
+
+
+def test_cli_allreduce_flag(tmp_path, capsys):
+    paths = {impl: tmp_path / f"{impl}.json" for impl in rl.ALLREDUCE_IMPLS}
+    for impl, path in paths.items():
+        assert rl.main(["--hardware", "h200", "--no-design-table", "--allreduce", impl, "--json", str(path)]) == 0
+    assert "all-reduce nccl" in capsys.readouterr().out
+    one, nccl = (json.loads(paths[i].read_text())["rounds"][0] for i in ("one_shot", "nccl"))
+    assert nccl["t_collectives_s"] == pytest.approx(one["t_collectives_s"] + one["n_collectives"] * 13 * US)
+    with pytest.raises(SystemExit):
+        rl.main(["--allreduce", "ring"])
