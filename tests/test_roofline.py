@@ -392,3 +392,16 @@ def test_cli_allreduce_flag(tmp_path, capsys):
     assert nccl["t_collectives_s"] == pytest.approx(one["t_collectives_s"] + one["n_collectives"] * 13 * US)
     with pytest.raises(SystemExit):
         rl.main(["--allreduce", "ring"])
+
+
+# ---- time split ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("correlated", [False, True])
+def test_time_split_sums_to_the_round(correlated):
+    for rows in rl.design_projection(("h200", "b300"), correlated_routing=correlated).values():
+        for est in rows:
+            split = est.time_split()
+            assert tuple(split) == rl.TIME_SPLIT and min(split.values()) >= 0
+            assert sum(split.values()) == pytest.approx(est.total_s, rel=1e-12)
+            assert (split["flops_over_bytes"] > 0) == bool(est.flop_bound())
+            assert split["collectives"] == est.t_collectives and split["overhead"] == est.overhead_s

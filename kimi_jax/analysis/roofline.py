@@ -441,6 +441,9 @@ def n_allreduce(config: ModelConfig, devices: int, drafter: DrafterSpec | None =
     return n + (2 * drafter.layers + 1 if drafter is not None else 0)
 
 
+TIME_SPLIT = ("weights", "kv_cache", "flops_over_bytes", "collectives", "overhead")
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundEstimate:
     """A predicted round; ``components`` rows are (name, bytes, flops, t_bytes, t_flops, t = max of both)."""
@@ -479,6 +482,16 @@ class RoundEstimate:
     def flop_bound(self) -> list[str]:
         """Components whose FLOP time exceeds their byte time."""
         return [r[0] for r in self.components if r[4] > r[3]]
+
+    def time_split(self) -> dict[str, float]:
+        """The round's seconds by what sets them (``TIME_SPLIT`` order), summing to ``total_s``: weight bytes
+        (every component's byte time but the latent KV's; the drafter's small feature cache rides with its
+        weights), latent-KV bytes, FLOP time beyond the bytes of FLOP-bound components (attention scores over
+        the context at wide trees), collectives, and the fixed overhead (op tails and host submissions)."""
+        return dict(weights=sum(r[3] for r in self.components if r[0] != "kv_cache"),
+                    kv_cache=self.component("kv_cache")[3],
+                    flops_over_bytes=sum(r[5] - r[3] for r in self.components),
+                    collectives=self.t_collectives, overhead=self.overhead_s)
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("bytes", "flops", "t_bytes_s", "t_flops_s", "t_s")
