@@ -405,3 +405,73 @@ def test_time_split_sums_to_the_round(correlated):
             assert sum(split.values()) == pytest.approx(est.total_s, rel=1e-12)
             assert (split["flops_over_bytes"] > 0) == bool(est.flop_bound())
             assert split["collectives"] == est.t_collectives and split["overhead"] == est.overhead_s
+
+
+# ---- tau model and the projection (kimi_jax.analysis.projection, [kimi-dflash], [ddtree-gain]) -------------------
+
+def test_tau_model_reproduces_the_public_chain_and_respects_its_caps():
+    from kimi_jax.analysis import projection as pj
+    assert pj.BLOCK == rl.KIMI_DFLASH.block_size == 8
+    assert pj.CHAIN_TAU == {"MT-Bench": 3.7, "MBPP": 4.5, "GSM8K": 5.3, "HumanEval": 5.3, "Math500": 5.5}
+    for chain in pj.CHAIN_TAU.values():
+        for gain in pj.GAINS.values():
+            assert pj.tau(pj.BLOCK, chain, gain) == pytest.approx(chain, abs=1e-9)     # width 8 is the chain
+            taus = [pj.tau(w, chain, gain) for w in range(1, 513)]
+            assert taus[0] == 1.0                                                       # width 1: AR
+            assert all(t <= w for w, t in zip(range(1, 513), taus))                    # at most width tokens
+            assert all(t <= pj.BLOCK for t in taus)                                     # depth <= 7, + bonus
+            assert taus == sorted(taus)                                                 # never falls with width
+        for w in (16, 64, 256):
+            assert pj.tau(w, chain, pj.GAINS["low"]) <= pj.tau(w, chain, pj.GAINS["high"])
+    with pytest.raises(ValueError, match="block-8"):
+        pj.per_token_acceptance(8.5)
+
+
+def test_tree_gain_bounds_match_their_anchors():
+    from kimi_jax.analysis import projection as pj
+    low, high = pj.GAINS["low"], pj.GAINS["high"]
+    assert [low.factor(w) for w in (8, 16, 64, 256)] == [1.0, 1.04, 1.04, 1.04]   # +3.5-4%, saturated at 2 siblings
+    assert close(high.factor(32), 1.22, rel=0.03)                                  # +22% at budget 32
+    assert close(high.factor(128), 1.38, rel=0.03)                                 # x1.38 at budget 128
+
+
+def test_best_width_is_the_brute_force_argmax():
+    from kimi_jax.analysis import projection as pj
+    rounds = pj.rounds_by_routing(("h200", "b300"))
+    table = pj.best_table(rounds)
+    for name, row in table.items():
+        for (hw, routing, g), best in row.items():
+            speeds = [pj.tau(w, pj.CHAIN_TAU[name], pj.GAINS[g]) / e.total_s
+                      for w, e in zip(rl.DESIGN_WIDTHS, rounds[(hw, routing)])]
+            i = speeds.index(max(speeds))
+            assert best.width == rl.DESIGN_WIDTHS[i] and best.tokens_per_s == speeds[i]
+    # correlated routing (fewer routed bytes) is never slower than uniform at the best width
+    for row in table.values():
+        for hw in ("h200", "b300"):
+            for g in pj.GAINS:
+                assert row[(hw, "correlated", g)].tokens_per_s >= row[(hw, "uniform", g)].tokens_per_s
+
+
+def test_ops_to_cut_reaches_the_target():
+    from kimi_jax.analysis import projection as pj
+    est = rl.design_projection(("h200",))["h200"][3]                                  # width 8
+    ops = pj.ops_to_cut(est, 4.0, 500, 2 * US)
+    assert ops > 0 and 4.0 / (est.total_s - ops * 2 * US) == pytest.approx(500)
+    assert pj.ops_to_cut(est, 8.0, 500, 2 * US) == 0.0
+
+
+def test_bench_projection_reads_design_overhead_and_projects_other_counts(tmp_path, capsys):
+    import dataclasses
+    from bench import projection as bp
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert bp.main(["--json", str(out), "--plot", str(png), "--ops-per-layer", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "## tau per verify width" in text and "20 ops per layer" in text
+    data = json.loads(out.read_text())
+    assert data["overhead"] == dataclasses.asdict(rl.DesignOverhead())
+    assert data["other"]["overhead"]["ops_per_layer"] == 20
+    for name, row in data["best"].items():
+        for key, best in row.items():       # fewer ops per layer: faster; NCCL: slower
+            assert data["other"]["best"][name][key]["tokens_per_s"] > best["tokens_per_s"]
+            assert data["best_nccl"][name][key]["tokens_per_s"] < best["tokens_per_s"]
+    assert 0 < png.stat().st_size < 150_000
