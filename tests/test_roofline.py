@@ -218,7 +218,7 @@ def test_h200_today_about_9ms():
 def test_realistic_aggressive(name, lo, hi, eff, ar_us):
     # [k26-roofline]: eta 0.85, AR ~9 us (RTX: PCIe, budget 20-40 us), ~300 launches (~0.9 ms)
     prof = rl.PROFILES[name]
-    assert prof.allreduce_s == ar_us * US
+    assert prof.allreduce() == ar_us * US
     est = rl.predict_round_time(KIMI_K26, prof, 1, 4096, devices=8, efficiency=eff, overhead_s=0.9 * MS)
     assert lo <= est.total_s / MS <= hi
 
@@ -350,3 +350,128 @@ def test_design_overhead_counts_are_the_compiled_rounds():
     counted = layers * o.ops_per_layer + rl.KIMI_DFLASH.layers * o.ops_per_drafter_layer
     assert abs(counted + o.round_ops - row["gpu_ops"]) <= rl.KIMI_DFLASH.layers
     assert o.host_launches == row["host_launches"] and row["host_syncs"] == 0
+
+
+# ---- all-reduce implementations ([allreduce-one-shot], [allreduce-nccl]) ------------------------------------------
+
+def test_allreduce_latency_per_implementation():
+    assert H200.allreduce("one_shot") == 9 * US and H200.allreduce("nccl") == 22 * US
+    assert B300.allreduce_s == H200.allreduce_s                            # assumed as H100/H200
+    for name in ("rtx_pro_6000", "v5e", "v6e", "v5p", "tpu7x"):            # placeholders: one figure for both
+        prof = rl.PROFILES[name]
+        assert prof.allreduce("one_shot") == prof.allreduce("nccl")
+    with pytest.raises(ValueError, match="all-reduce implementation"):
+        H200.allreduce("ring")
+
+
+@pytest.mark.parametrize("width,drafter", [(1, None), (16, rl.KIMI_DFLASH), (64, rl.KIMI_DFLASH)])
+def test_nccl_adds_exactly_the_latency_difference_per_all_reduce(width, drafter):
+    """The message-size term is the same for both implementations; only the latency per all-reduce moves."""
+    one, nccl = (rl.predict_round_time(KIMI_K26, H200, width, 4096, devices=8, drafter=drafter, allreduce=impl)
+                 for impl in ("one_shot", "nccl"))
+    extra = one.n_collectives * (H200.allreduce("nccl") - H200.allreduce("one_shot"))
+    assert nccl.t_collectives - one.t_collectives == pytest.approx(extra, rel=1e-12)
+    assert nccl.total_s - one.total_s == pytest.approx(extra, rel=1e-12)
+    assert nccl.t_compute == one.t_compute and nccl.overhead_s == one.overhead_s
+
+
+def test_default_all_reduce_is_kimi_jax_default_compile():
+    from kimi_jax.config import Runtime
+    assert Runtime().one_shot_all_reduce                                  # XLA's one-shot kernel is the default
+    default = rl.design_projection(("h200",))["h200"]
+    one_shot = rl.design_projection(("h200",), allreduce="one_shot")["h200"]
+    assert [e.total_s for e in default] == [e.total_s for e in one_shot]
+
+
+def test_cli_allreduce_flag(tmp_path, capsys):
+    paths = {impl: tmp_path / f"{impl}.json" for impl in rl.ALLREDUCE_IMPLS}
+    for impl, path in paths.items():
+        assert rl.main(["--hardware", "h200", "--no-design-table", "--allreduce", impl, "--json", str(path)]) == 0
+    assert "all-reduce nccl" in capsys.readouterr().out
+    one, nccl = (json.loads(paths[i].read_text())["rounds"][0] for i in ("one_shot", "nccl"))
+    assert nccl["t_collectives_s"] == pytest.approx(one["t_collectives_s"] + one["n_collectives"] * 13 * US)
+    with pytest.raises(SystemExit):
+        rl.main(["--allreduce", "ring"])
+
+
+# ---- time split ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("correlated", [False, True])
+def test_time_split_sums_to_the_round(correlated):
+    for rows in rl.design_projection(("h200", "b300"), correlated_routing=correlated).values():
+        for est in rows:
+            split = est.time_split()
+            assert tuple(split) == rl.TIME_SPLIT and min(split.values()) >= 0
+            assert sum(split.values()) == pytest.approx(est.total_s, rel=1e-12)
+            assert (split["flops_over_bytes"] > 0) == bool(est.flop_bound())
+            assert split["collectives"] == est.t_collectives and split["overhead"] == est.overhead_s
+
+
+# ---- tau model and the projection (kimi_jax.analysis.projection, [kimi-dflash], [ddtree-gain]) -------------------
+
+def test_tau_model_reproduces_the_public_chain_and_respects_its_caps():
+    from kimi_jax.analysis import projection as pj
+    assert pj.BLOCK == rl.KIMI_DFLASH.block_size == 8
+    assert pj.CHAIN_TAU == {"MT-Bench": 3.7, "MBPP": 4.5, "GSM8K": 5.3, "HumanEval": 5.3, "Math500": 5.5}
+    for chain in pj.CHAIN_TAU.values():
+        for gain in pj.GAINS.values():
+            assert pj.tau(pj.BLOCK, chain, gain) == pytest.approx(chain, abs=1e-9)     # width 8 is the chain
+            taus = [pj.tau(w, chain, gain) for w in range(1, 513)]
+            assert taus[0] == 1.0                                                       # width 1: AR
+            assert all(t <= w for w, t in zip(range(1, 513), taus))                    # at most width tokens
+            assert all(t <= pj.BLOCK for t in taus)                                     # depth <= 7, + bonus
+            assert taus == sorted(taus)                                                 # never falls with width
+        for w in (16, 64, 256):
+            assert pj.tau(w, chain, pj.GAINS["low"]) <= pj.tau(w, chain, pj.GAINS["high"])
+    with pytest.raises(ValueError, match="block-8"):
+        pj.per_token_acceptance(8.5)
+
+
+def test_tree_gain_bounds_match_their_anchors():
+    from kimi_jax.analysis import projection as pj
+    low, high = pj.GAINS["low"], pj.GAINS["high"]
+    assert [low.factor(w) for w in (8, 16, 64, 256)] == [1.0, 1.04, 1.04, 1.04]   # +3.5-4%, saturated at 2 siblings
+    assert close(high.factor(32), 1.22, rel=0.03)                                  # +22% at budget 32
+    assert close(high.factor(128), 1.38, rel=0.03)                                 # x1.38 at budget 128
+
+
+def test_best_width_is_the_brute_force_argmax():
+    from kimi_jax.analysis import projection as pj
+    rounds = pj.rounds_by_routing(("h200", "b300"))
+    table = pj.best_table(rounds)
+    for name, row in table.items():
+        for (hw, routing, g), best in row.items():
+            speeds = [pj.tau(w, pj.CHAIN_TAU[name], pj.GAINS[g]) / e.total_s
+                      for w, e in zip(rl.DESIGN_WIDTHS, rounds[(hw, routing)])]
+            i = speeds.index(max(speeds))
+            assert best.width == rl.DESIGN_WIDTHS[i] and best.tokens_per_s == speeds[i]
+    # correlated routing (fewer routed bytes) is never slower than uniform at the best width
+    for row in table.values():
+        for hw in ("h200", "b300"):
+            for g in pj.GAINS:
+                assert row[(hw, "correlated", g)].tokens_per_s >= row[(hw, "uniform", g)].tokens_per_s
+
+
+def test_ops_to_cut_reaches_the_target():
+    from kimi_jax.analysis import projection as pj
+    est = rl.design_projection(("h200",))["h200"][3]                                  # width 8
+    ops = pj.ops_to_cut(est, 4.0, 500, 2 * US)
+    assert ops > 0 and 4.0 / (est.total_s - ops * 2 * US) == pytest.approx(500)
+    assert pj.ops_to_cut(est, 8.0, 500, 2 * US) == 0.0
+
+
+def test_bench_projection_reads_design_overhead_and_projects_other_counts(tmp_path, capsys):
+    import dataclasses
+    from bench import projection as bp
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    assert bp.main(["--json", str(out), "--plot", str(png), "--ops-per-layer", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "## tau per verify width" in text and "20 ops per layer" in text
+    data = json.loads(out.read_text())
+    assert data["overhead"] == dataclasses.asdict(rl.DesignOverhead())
+    assert data["other"]["overhead"]["ops_per_layer"] == 20
+    for name, row in data["best"].items():
+        for key, best in row.items():       # fewer ops per layer: faster; NCCL: slower
+            assert data["other"]["best"][name][key]["tokens_per_s"] > best["tokens_per_s"]
+            assert data["best_nccl"][name][key]["tokens_per_s"] < best["tokens_per_s"]
+    assert 0 < png.stat().st_size < 150_000

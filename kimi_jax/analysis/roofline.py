@@ -9,6 +9,9 @@ Model of one round (a verify forward over ``T = width x batch`` tokens, plus an 
     t_step      = sum(t_component) + n_AR * (t_AR + 2 (d-1)/d * msg / link_BW) + overhead
     tokens/s    = tau / t_step                                                   (per sequence)
 
+``t_AR`` is the small-message latency of the all-reduce implementation the program runs (``ALLREDUCE_IMPLS``):
+XLA's one-shot kernel, kimi_jax's default compile (``Runtime.one_shot_all_reduce``), or NCCL.
+
 Per-device bytes (bf16 = 2 B, INT4 experts = 0.5 + 2/32 B/param: packed nibbles plus one bf16 scale per 32)::
 
     attention  = L * (A * r + B / d) * wb        A = q_a + kv_a (+ norms), B = q_b + kv_b + o; r = 1 (replicated,
@@ -37,7 +40,8 @@ import json
 import math
 import sys
 import time
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from kimi_jax.config import KIMI_K26, ModelConfig
 from kimi_jax.decoding.drafter import KIMI_K26_DFLASH
@@ -47,6 +51,19 @@ MS = 1e-3
 US = 1e-6
 INT4_BYTES_PER_PARAM = 0.5 + 2 / 32      # packed INT4 + bf16 scale per group of 32 [int4-format]
 STRATEGIES = ("tp", "ep", "tp_ep", "dp_attn", "dcp")
+
+# Small-message all-reduce latency across one 8-GPU NVLink node, per implementation. A round's messages are
+# T x 7168 x 2 B (14 KB at one token, 244 KB at 17), so the latency, not the link bandwidth, sets their cost.
+ALLREDUCE_IMPLS = ("one_shot", "nccl")
+NVLINK_ALLREDUCE_S = MappingProxyType({
+    "one_shot": 9 * US,     # [allreduce-one-shot]: one-shot class 5.9-16.7 us (512 B-256 KB); kimi_jax's default
+    "nccl": 22 * US,        # [allreduce-nccl]: NCCL 20-25 us on 8x H100 (Runtime(one_shot_all_reduce=False))
+})
+
+
+def same_for_every_impl(seconds: float) -> Mapping[str, float]:
+    """One latency for every implementation: where no measurement tells them apart (PCIe, TPU ICI)."""
+    return MappingProxyType(dict.fromkeys(ALLREDUCE_IMPLS, seconds))
 
 
 # ---- hardware -----------------------------------------------------------------------------------------------
@@ -58,20 +75,25 @@ class Hardware:
     ``efficiency`` is the default fraction of ``mem_bw`` that weight streaming reaches; ``flop_efficiency``
     the fraction of ``bf16_flops`` that compute-bound kernels reach. For the calibrated ``cpu`` profile
     ``mem_bw`` and ``bf16_flops`` hold measured numbers (copy bandwidth, float32 matmul) and both
-    efficiencies are 1.
+    efficiencies are 1. ``allreduce_s`` maps each of ``ALLREDUCE_IMPLS`` to its small-message latency.
     """
     name: str
     mem_bw: float                  # spec bandwidth
     measured_bw: float | None      # measured STREAM-copy bandwidth, None where not published
     bf16_flops: float              # dense (no 2:4 sparsity)
     link_bw: float                 # interconnect, per direction per device
-    allreduce_s: float             # small-message all-reduce latency across the node
+    allreduce_s: Mapping[str, float]  # small-message all-reduce latency across the node, per implementation
     mem_capacity: float
     efficiency: float = 0.85       # [bw-efficiency]: weight streaming 85-90% of spec on HBM (use 85%)
     flop_efficiency: float = 0.67  # [flop-efficiency]: FlashMLA compute-bound 660 of 989 TF on H800
 
     def bw(self, efficiency: float | None = None) -> float:
         return (self.efficiency if efficiency is None else efficiency) * self.mem_bw
+
+    def allreduce(self, impl: str = "one_shot") -> float:
+        if impl not in self.allreduce_s:
+            raise ValueError(f"unknown all-reduce implementation {impl!r}; choose from {ALLREDUCE_IMPLS}")
+        return self.allreduce_s[impl]
 
 
 PROFILES: dict[str, Hardware] = {
@@ -81,7 +103,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,            # [hw-rtx-pro-6000]: no STREAM number found
         bf16_flops=504e12,           # [hw-rtx-pro-6000]: ~504 TF dense BF16 (aggregator); torch GEMM 368-417 TF
         link_bw=64e9,                # [hw-rtx-pro-6000]: PCIe Gen5 x16 only, no NVLink (~64 GB/s per direction)
-        allreduce_s=30 * US,         # [allreduce]: none published for PCIe; budget 20-40 us (midpoint)
+        allreduce_s=same_for_every_impl(30 * US),  # [allreduce]: none published for PCIe; budget 20-40 us
         mem_capacity=96e9,           # [hw-rtx-pro-6000]: 96 GB GDDR7
         efficiency=0.70,             # [design-measured]: INT4 Marlin MoE measured at 67-73% of peak
     ),
@@ -91,7 +113,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=2.90e12,         # [hw-h100]: STREAM copy 2.90 TB/s (87%)
         bf16_flops=989e12,           # [hw-h100]
         link_bw=450e9,               # [hw-h100]: NVLink4 900 GB/s bidirectional
-        allreduce_s=9 * US,          # [allreduce]: symm-mem/one-shot AR in CUDA graph ~9 us (NCCL ~22 us)
+        allreduce_s=NVLINK_ALLREDUCE_S,
         mem_capacity=80e9,           # [hw-h100]
     ),
     "h200": Hardware(
@@ -100,7 +122,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=4.01e12,         # [hw-h200]: STREAM copy 4.01 TB/s (84%)
         bf16_flops=989e12,           # [hw-h200]
         link_bw=450e9,               # [hw-h200]: NVLink4 900 GB/s bidirectional
-        allreduce_s=9 * US,          # [allreduce], [k26-roofline]: 123 AR x 9 us = 1.1 ms
+        allreduce_s=NVLINK_ALLREDUCE_S,  # [k26-roofline]: 123 AR x 9 us = 1.1 ms one-shot
         mem_capacity=141e9,          # [hw-h200]
     ),
     "b200": Hardware(
@@ -109,7 +131,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,
         bf16_flops=2.25e15,          # [hw-b200]
         link_bw=900e9,               # [hw-b200]: NVLink5 1.8 TB/s bidirectional
-        allreduce_s=9 * US,          # [allreduce]: assumed as H100/H200 (no B200 number)
+        allreduce_s=NVLINK_ALLREDUCE_S,  # assumed as H100/H200 (no B200 number)
         mem_capacity=180e9,          # [hw-b200]: 180 GB usable
     ),
     "b300": Hardware(
@@ -118,18 +140,19 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,
         bf16_flops=2.25e15,          # [hw-b300] (Tom's HW 5 PF is a sparse figure)
         link_bw=900e9,               # [hw-b300]: NVLink5 1.8 TB/s bidirectional
-        allreduce_s=9 * US,          # [allreduce]: assumed as H100/H200
+        allreduce_s=NVLINK_ALLREDUCE_S,  # assumed as H100/H200 (no B300 number)
         mem_capacity=288e9,          # [hw-b300]
     ),
     # TPUs, per chip. No measured copy bandwidth or ICI all-reduce latency was found for any of them: the
-    # all-reduce takes the GPUs' one-shot figure as a placeholder until one is measured.
+    # all-reduce takes the GPUs' one-shot figure as a placeholder until one is measured, for both implementation
+    # names (a TPU runs neither NCCL nor XLA's GPU one-shot kernel; its all-reduce goes over ICI).
     "v5e": Hardware(
         name="v5e",
         mem_bw=819e9,                # [hw-tpu]: 819 GB/s HBM2e
         measured_bw=None,
         bf16_flops=197e12,           # [hw-tpu]
         link_bw=200e9,               # [hw-tpu]: ICI 400 GB/s bidirectional per chip
-        allreduce_s=9 * US,          # [allreduce]: assumed (no ICI figure found)
+        allreduce_s=same_for_every_impl(9 * US),  # placeholder: no ICI figure found
         mem_capacity=16e9,           # [hw-tpu]
     ),
     "v6e": Hardware(
@@ -138,7 +161,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,
         bf16_flops=918e12,           # [hw-tpu]
         link_bw=400e9,               # [hw-tpu]: ICI 800 GB/s bidirectional per chip
-        allreduce_s=9 * US,          # [allreduce]: assumed
+        allreduce_s=same_for_every_impl(9 * US),  # placeholder
         mem_capacity=32e9,           # [hw-tpu]
     ),
     "v5p": Hardware(
@@ -147,7 +170,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,
         bf16_flops=459e12,           # [hw-tpu]
         link_bw=600e9,               # [hw-tpu]: ICI 1200 GB/s bidirectional per chip
-        allreduce_s=9 * US,          # [allreduce]: assumed
+        allreduce_s=same_for_every_impl(9 * US),  # placeholder
         mem_capacity=95e9,           # [hw-tpu]
     ),
     "tpu7x": Hardware(
@@ -156,7 +179,7 @@ PROFILES: dict[str, Hardware] = {
         measured_bw=None,
         bf16_flops=2307e12,          # [hw-tpu]
         link_bw=600e9,               # [hw-tpu]: ICI 1200 GB/s bidirectional per chip
-        allreduce_s=9 * US,          # [allreduce]: assumed
+        allreduce_s=same_for_every_impl(9 * US),  # placeholder
         mem_capacity=192e9,          # [hw-tpu]
     ),
 }
@@ -193,7 +216,8 @@ def calibrate_cpu(copy_mb: int = 256, matmul_n: int = 1024, repeats: int = 5) ->
     except (ValueError, OSError, AttributeError):
         capacity = 0.0
     return Hardware(name="cpu", mem_bw=bw, measured_bw=bw, bf16_flops=flops, link_bw=bw,
-                    allreduce_s=0.0, mem_capacity=float(capacity), efficiency=1.0, flop_efficiency=1.0)
+                    allreduce_s=same_for_every_impl(0.0), mem_capacity=float(capacity), efficiency=1.0,
+                    flop_efficiency=1.0)
 
 
 def get_profile(name: str) -> Hardware:
@@ -417,6 +441,9 @@ def n_allreduce(config: ModelConfig, devices: int, drafter: DrafterSpec | None =
     return n + (2 * drafter.layers + 1 if drafter is not None else 0)
 
 
+TIME_SPLIT = ("weights", "kv_cache", "flops_over_bytes", "collectives", "overhead")
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundEstimate:
     """A predicted round; ``components`` rows are (name, bytes, flops, t_bytes, t_flops, t = max of both)."""
@@ -456,6 +483,16 @@ class RoundEstimate:
         """Components whose FLOP time exceeds their byte time."""
         return [r[0] for r in self.components if r[4] > r[3]]
 
+    def time_split(self) -> dict[str, float]:
+        """The round's seconds by what sets them (``TIME_SPLIT`` order), summing to ``total_s``: weight bytes
+        (every component's byte time but the latent KV's; the drafter's small feature cache rides with its
+        weights), latent-KV bytes, FLOP time beyond the bytes of FLOP-bound components (attention scores over
+        the context at wide trees), collectives, and the fixed overhead (op tails and host submissions)."""
+        return dict(weights=sum(r[3] for r in self.components if r[0] != "kv_cache"),
+                    kv_cache=self.component("kv_cache")[3],
+                    flops_over_bytes=sum(r[5] - r[3] for r in self.components),
+                    collectives=self.t_collectives, overhead=self.overhead_s)
+
     def to_dict(self) -> dict[str, Any]:
         keys = ("bytes", "flops", "t_bytes_s", "t_flops_s", "t_s")
         return dict(profile=self.profile, components={r[0]: dict(zip(keys, r[1:])) for r in self.components},
@@ -470,11 +507,13 @@ def predict_round_time(config: ModelConfig, profile: Hardware, tokens_per_step: 
                        replicate_small: bool = True, drafter: DrafterSpec | None = None,
                        efficiency: float | None = None, flop_efficiency: float | None = None,
                        overhead_s: float = 0.0, include_flops: bool = True,
-                       independent_tokens: float | None = None) -> RoundEstimate:
+                       independent_tokens: float | None = None, allreduce: str = "one_shot") -> RoundEstimate:
     """Round time on ``devices`` chips of ``profile`` (arguments as in :func:`round_components`).
 
         t = sum_c max(bytes_c / (eta * BW), flops_c / (eta_f * FLOPS))
             + n_AR * (t_AR + 2 (d-1)/d * T h act_bytes / link_BW) + overhead_s
+
+    ``allreduce`` names the implementation whose latency is ``t_AR`` (one of ``ALLREDUCE_IMPLS``).
 
     Works for any config, e.g. the tiny float32 model on the calibrated ``cpu`` profile:
     ``predict_round_time(TINY, calibrate_cpu(), 8, 100, weight_dtype_bytes=4, expert_bytes_per_param=4)``.
@@ -492,15 +531,15 @@ def predict_round_time(config: ModelConfig, profile: Hardware, tokens_per_step: 
         tf = comp.flops / fl if include_flops else 0.0
         rows.append((comp.name, comp.bytes, comp.flops, tb, tf, max(tb, tf)))
     n_ar = n_allreduce(config, devices, drafter)
+    latency = profile.allreduce(allreduce)
     t_ar = 0.0
     if n_ar:
         ab = weight_dtype_bytes if act_dtype_bytes is None else act_dtype_bytes
         ring = 2 * (devices - 1) / devices / profile.link_bw
         n_target = 2 * config.num_hidden_layers + 1
-        t_ar = n_target * (profile.allreduce_s + ring * tokens_per_step * config.hidden_size * ab)
+        t_ar = n_target * (latency + ring * tokens_per_step * config.hidden_size * ab)
         if drafter is not None:
-            t_ar += (n_ar - n_target) * (profile.allreduce_s
-                                        + ring * drafter.block_size * batch * drafter.hidden * ab)
+            t_ar += (n_ar - n_target) * (latency + ring * drafter.block_size * batch * drafter.hidden * ab)
     total = sum(r[5] for r in rows) + t_ar + overhead_s
     return RoundEstimate(profile.name, tuple(rows), n_ar, t_ar, overhead_s, total, batch)
 
@@ -555,10 +594,11 @@ DESIGN_HARDWARE = ("h200", "b300", "rtx_pro_6000")
 def design_projection(hardware=DESIGN_HARDWARE, widths=DESIGN_WIDTHS, *, config: ModelConfig = KIMI_K26,
                       context: int = 4096, devices: int = 8, strategy: str = "tp", batch: int = 1,
                       drafter: DrafterSpec | None = KIMI_DFLASH, correlated_routing: bool = False,
-                      overhead: DesignOverhead = DesignOverhead()) -> dict[str, list[RoundEstimate]]:
+                      overhead: DesignOverhead = DesignOverhead(),
+                      allreduce: str = "one_shot") -> dict[str, list[RoundEstimate]]:
     """Round estimates of this design for each hardware and verify width (width 1 = plain AR, no drafter).
     ``correlated_routing`` takes the lower bound on unique experts (a tree's tokens share its root's experts)
-    instead of the uniform upper bound."""
+    instead of the uniform upper bound; ``allreduce`` names the all-reduce implementation (``ALLREDUCE_IMPLS``)."""
     out = {}
     for hw in hardware:
         prof = hw if isinstance(hw, Hardware) else get_profile(hw)
@@ -567,7 +607,8 @@ def design_projection(hardware=DESIGN_HARDWARE, widths=DESIGN_WIDTHS, *, config:
             dr = drafter if w > 1 else None
             rows.append(predict_round_time(config, prof, w * batch, context, batch=batch, strategy=strategy,
                                            devices=devices, drafter=dr, overhead_s=overhead.seconds(config, dr),
-                                           independent_tokens=batch if correlated_routing else None))
+                                           independent_tokens=batch if correlated_routing else None,
+                                           allreduce=allreduce))
         out[prof.name] = rows
     return out
 
@@ -643,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-drafter", action="store_true", help="leave out the DFlash drafter")
     p.add_argument("--correlated-routing", action="store_true",
                    help="lower bound on routed bytes: all verify tokens of a sequence use its root's experts")
+    p.add_argument("--allreduce", default="one_shot", choices=ALLREDUCE_IMPLS,
+                   help="all-reduce implementation whose latency the collectives pay (one_shot: kimi_jax's default "
+                        "compile; nccl: Runtime(one_shot_all_reduce=False))")
     p.add_argument("--no-design-table", action="store_true", help="skip the width x tau projection")
     p.add_argument("--json", default=None, help="write the estimates to this file")
     a = p.parse_args(argv)
@@ -655,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         ovh = (DesignOverhead().seconds(c, drafter) if a.overhead_ms is None else a.overhead_ms * MS)
         ests = [predict_round_time(c, prof, a.width * a.batch, a.context, batch=a.batch, strategy=a.strategy,
                                    devices=a.devices, tp=a.tp, drafter=drafter, efficiency=a.efficiency,
-                                   overhead_s=ovh, independent_tokens=a.batch if a.correlated_routing else None)
+                                   overhead_s=ovh, independent_tokens=a.batch if a.correlated_routing else None,
+                                   allreduce=a.allreduce)
                 for prof in profiles]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -664,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
           f"context {a.context}, INT4 experts ({INT4_BYTES_PER_PARAM} B/param), routing "
           f"{'correlated (lower bound)' if a.correlated_routing else 'uniform (upper bound)'}, "
           f"drafter {'DFlash 6L' if drafter else 'none'}, overhead "
-          f"{'design kernel tails' if a.overhead_ms is None else str(a.overhead_ms) + ' ms'}")
+          f"{'design kernel tails' if a.overhead_ms is None else str(a.overhead_ms) + ' ms'}, all-reduce "
+          f"{a.allreduce}")
     print("efficiency: " + ", ".join(f"{pr.name} {a.efficiency or pr.efficiency:.0%} of "
                                      f"{pr.mem_bw / 1e12:.3g} TB/s" for pr in profiles))
     print(format_round_table(ests, a.tau))
@@ -673,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_design_table:
         proj = design_projection(profiles, context=a.context, devices=a.devices, strategy=a.strategy,
                                  batch=a.batch, drafter=None if a.no_drafter else KIMI_DFLASH,
-                                 correlated_routing=a.correlated_routing)
+                                 correlated_routing=a.correlated_routing, allreduce=a.allreduce)
         print(f"\nThis design (one dispatch per generate; overhead = kernel tails + collectives), batch {a.batch}, "
               f"context {a.context}, {a.strategy} x{a.devices}; tok/s per sequence:")
         print(format_design_table(proj))
