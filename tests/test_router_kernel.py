@@ -50,6 +50,20 @@ def test_kernel_matches_reference(t, d, e, k):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_applies_the_norm_weight_as_the_model_does(scale_dtype):
+    """``scale`` (the MoE's RMSNorm weight) multiplies the rows first, rounded in the promoted dtype of x and the
+    scale as ``rms_norm`` rounds it: the kernel routes ``scale * x`` exactly as the reference routes the product."""
+    x, w, bias = _inputs(17, 256, 64, seed=5)
+    scale = jnp.asarray(np.random.default_rng(6).integers(1, 17, 256) / 16 + 1 / 128, scale_dtype)
+    ids, weights = route_topk(x, w, bias, scale, k=8, impl="pallas", **KW)
+    ref_ids, ref_weights = route_reference(scale * x, w, bias, k=8, **KW)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(ids, route_reference(x, w, bias, k=8, **KW)[0])      # the scale does route
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("norm", [True, False])
 def test_kernel_f32_and_no_renormalisation(norm):
     _check(*_inputs(17, 128, 32, seed=3, dtype=jnp.float32), 8, norm_topk_prob=norm, scaling=1.0)

@@ -13,9 +13,13 @@ from kimi_jax.config import ModelConfig
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Variance in float32, cast back to the input dtype, then scale (the HF order of operations)."""
+    return weight * rms_normalize(x, eps)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``rms_norm`` before its weight: x / rms(x), in x's dtype."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> jax.Array:

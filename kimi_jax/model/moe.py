@@ -33,14 +33,14 @@ from kimi_jax.ops.router import api as router_api
 from kimi_jax.ops.router import reference as router_ref
 
 
-def route(x, router, bias, cfg: ModelConfig, impl: str = "auto"):
-    """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens x [n, d]. One expert group (K2.6) is
-    ``ops.router`` under the MoE's ``impl`` (``Runtime.moe_impl``; its rules say which implementation serves
-    it); group-limited routing stays here, on XLA."""
+def route(x, router, bias, cfg: ModelConfig, impl: str = "auto", scale=None):
+    """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens ``scale * x`` [n, d] (``moe_block``).
+    One expert group (K2.6) is ``ops.router`` under the MoE's ``impl`` (``Runtime.moe_impl``; its rules say which
+    implementation serves it); group-limited routing stays here, on XLA."""
     kw = dict(k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     if cfg.n_group == 1:
-        return router_api.route_topk(x, router, bias, impl=impl, **kw)
-    scores = router_ref.scores(x, router)
+        return router_api.route_topk(x, router, bias, scale, impl=impl, **kw)
+    scores = router_ref.scores(x if scale is None else scale * x, router)
     n = scores.shape[0]
     groups = router_ref.biased(scores, bias).reshape(n, cfg.n_group, -1)
     group_score = jax.lax.top_k(groups, 2)[0].sum(-1)                        # sum of each group's top-2
@@ -83,13 +83,19 @@ def expert_loads(ids, num_experts: int):
     return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
 
 
-def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime()):
-    """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E])."""
+def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime(), scale=None):
+    """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E]) of ``scale * x``.
+
+    ``scale`` [d]: the MoE's RMSNorm weight, with x the normalised rows before it (``layers.rms_normalize``). The
+    router kernel multiplies the rows it reads and XLA fuses the product into the shared expert's GEMM and the
+    experts' row gather, so on a GPU the weighted rows are not a kernel of their own (docs/gpu_overhead.md)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     with jax.named_scope("router"):
-        ids, weights = route(flat, p["router"], p["router_bias"], cfg, rt.moe_impl)
+        ids, weights = route(flat, p["router"], p["router_bias"], cfg, rt.moe_impl, scale)
         loads = expert_loads(ids, cfg.n_routed_experts)
+    if scale is not None:
+        flat = scale * flat
     if rt.mesh is not None and rt.mesh.size > 1:
         y = _sharded_experts(flat, ids, weights, p, cfg, rt)
     else:

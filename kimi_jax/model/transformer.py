@@ -19,8 +19,8 @@ import numpy as np
 from kimi_jax import cache as cache_lib
 from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.model import mla, moe
-from kimi_jax.model.layers import rms_norm, run_layers, swiglu, yarn_inv_freq
+from kimi_jax.model import mla
+from kimi_jax.model.layers import rms_norm, rms_normalize, run_layers, swiglu, yarn_inv_freq
 from kimi_jax.model.moe import moe_block
 
 
@@ -53,11 +53,13 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
         with jax.named_scope("o_proj"):
             y = mla.output(o, p)
     x = x + y
+    if moe:     # the norm's weight goes in with the rows: the router kernel applies it (moe_block)
+        with jax.named_scope("norm"):
+            h = rms_normalize(x, cfg.rms_norm_eps)
+        y, loads = moe_block(h, layer_params["moe"], cfg, rt, scale=layer_params["mlp_norm"])
+        return x + y, kv, loads
     with jax.named_scope("norm"):
         h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
-    if moe:
-        y, loads = moe_block(h, layer_params["moe"], cfg, rt)
-        return x + y, kv, loads
     m = layer_params["mlp"]
     with jax.named_scope("dense_mlp"):
         y = swiglu(h, m["gate"], m["up"], m["down"])

@@ -1,7 +1,10 @@
 """The noaux_tc router (n_group = 1) as one op over two implementations.
 
 ``route_topk(x, router, bias, k=..., norm_topk_prob=..., scaling=...)`` returns the k experts with the largest
-``sigmoid(x @ router) + bias`` and their unbiased scores, renormalised and scaled (``reference.py``).
+``sigmoid(x @ router) + bias`` and their unbiased scores, renormalised and scaled (``reference.py``). With
+``scale=`` (the MoE's RMSNorm weight) x is the normalised rows before that weight: the kernels multiply the rows
+they read, so the weighted rows need not be written for the router (XLA fuses the weight into the MoE's other
+readers: the shared expert's GEMM and the experts' row gather; one GPU op a MoE layer).
 
 impl="xla" (``reference.py``: the GEMM, its split-K reduction, the bias add, top-k, gather and renormalise are
 six GPU ops) or impl="pallas" (``pallas_triton.py``: two kernels), or impl="auto": the kernels where the program
@@ -27,7 +30,7 @@ from kimi_jax.ops.registry import Implementation, Lowering, Op, always
 @dataclasses.dataclass(frozen=True)
 class RouterCall:
     """The static facts of a ``route_topk`` call that the implementations' rules read: x [T, d] over e experts,
-    top-k, in ``dtype`` (x's and the router's promoted)."""
+    top-k, in ``dtype`` (x's, the scale's and the router's promoted)."""
     d: int
     e: int
     k: int
@@ -55,12 +58,15 @@ ROUTER = Op("router", (
 ), stand_ins=(("mosaic", "pallas"), ("tpu", "xla")))
 
 
-def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, impl: str = "auto",
+def route_topk(x, router, bias, scale=None, *, k: int, norm_topk_prob: bool, scaling: float, impl: str = "auto",
                interpret: bool = False):
-    """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32)."""
+    """x [T, D], router [D, E], bias [E], scale [D] or None (``scale * x`` is routed) -> (ids [T, k] int32,
+    weights [T, k] float32)."""
+    if scale is None:
+        scale = jnp.ones(x.shape[-1:], x.dtype)
     reference = functools.partial(route_reference, k=k, norm_topk_prob=norm_topk_prob, scaling=scaling)
 
-    def pallas(x, router, bias, *, interpret):
+    def pallas(x, router, bias, scale, *, interpret):
         kernel = jax.custom_jvp(functools.partial(route_pallas, k=k, norm_topk_prob=norm_topk_prob,
                                                   scaling=scaling, interpret=interpret))
 
@@ -70,8 +76,9 @@ def route_topk(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float,
         def _(primals, tangents):
             return kernel(*primals), jax.jvp(reference, primals, tangents)[1]
 
-        return kernel(x, router, bias)
+        return kernel(x, router, bias, scale)
 
-    call = RouterCall(x.shape[1], router.shape[1], k, jnp.promote_types(x.dtype, router.dtype).name)
-    return ROUTER.dispatch(call, (x, router, bias), impl=impl,
+    dtype = jnp.promote_types(jnp.result_type(x, scale), router.dtype)
+    call = RouterCall(x.shape[1], router.shape[1], k, dtype.name)
+    return ROUTER.dispatch(call, (x, router, bias, scale), impl=impl,
                            interpret=interpret, run={"pallas": pallas, "xla": reference})

@@ -63,9 +63,10 @@ def block(n: int, target: int) -> int | None:
     return b if b >= 16 else None
 
 
-def _scores_kernel(x_ref, w_ref, o_ref, *, n_chunks: int, block_k: int, precision):
+def _scores_kernel(x_ref, s_ref, w_ref, o_ref, *, n_chunks: int, block_k: int, precision):
     def chunk(j, acc):
-        xs = x_ref[:, pl.ds(j * block_k, block_k)]
+        xs = s_ref[pl.ds(j * block_k, block_k)][None, :] * x_ref[:, pl.ds(j * block_k, block_k)]
+        xs = xs.astype(w_ref.dtype)                 # rounded as the reference's scale * x, then the GEMM's dtype
         ws = w_ref[pl.ds(j * block_k, block_k), :]
         return acc + jnp.dot(xs, ws, preferred_element_type=F32, precision=precision)
 
@@ -105,18 +106,18 @@ def _topk_kernel(p_ref, b_ref, ids_ref, w_ref, *, n_cols: int, block_e: int, k: 
     w_ref[...] = weights * scaling
 
 
-def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: float, interpret: bool,
+def route_pallas(x, router, bias, scale, *, k: int, norm_topk_prob: bool, scaling: float, interpret: bool,
                  tiles: Tiles | None = None):
-    """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32); shapes as
-    ``api.pallas_supports`` accepts. ``tiles``: None picks them for the GPU being lowered for
-    (``select.lowering_tiles``)."""
+    """x [T, D], router [D, E], bias [E], scale [D] (x's columns multiplied by it in x's dtype first) -> (ids
+    [T, k] int32, weights [T, k] float32); shapes as ``api.pallas_supports`` accepts. ``tiles``: None picks them
+    for the GPU being lowered for (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     t, d = x.shape
     e = router.shape[1]
     bt, be, bk = tiles.block_t, block(e, tiles.block_e), block(d, tiles.block_k)
     splits = math.gcd(d // bk, tiles.splits)
     nt, nc = pl.cdiv(t, bt), e // be
-    dtype = jnp.promote_types(x.dtype, router.dtype)
+    dtype = jnp.promote_types(jnp.result_type(x, scale), router.dtype)
     # 16-bit inputs: bf16 x bf16 products are exact in the float32 accumulator; float32 inputs keep full precision.
     precision = None if jnp.dtype(dtype).itemsize == 2 else jax.lax.Precision.HIGHEST
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -125,13 +126,14 @@ def route_pallas(x, router, bias, *, k: int, norm_topk_prob: bool, scaling: floa
         functools.partial(_scores_kernel, n_chunks=part // bk, block_k=bk, precision=precision),
         grid=(nt, nc, splits),
         in_specs=[pl.BlockSpec((bt, part), lambda i, c, s: (i, s)),
+                  pl.BlockSpec((part,), lambda i, c, s: (s,)),
                   pl.BlockSpec((part, be), lambda i, c, s: (s, c))],
         out_specs=pl.BlockSpec((None, bt, be), lambda i, c, s: (s, i, c)),
         out_shape=jax.ShapeDtypeStruct((splits, t, e), F32),
         compiler_params=params,
         interpret=interpret,
         name="router_scores",
-    )(x.astype(dtype), router.astype(dtype))
+    )(x, scale, router.astype(dtype))
     return pl.pallas_call(
         functools.partial(_topk_kernel, n_cols=nc, block_e=be, k=k, norm=norm_topk_prob, scaling=scaling),
         grid=(nt,),
