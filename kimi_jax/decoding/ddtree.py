@@ -54,9 +54,10 @@ attention and the walk never enters them.
 Acceptance ([ddtree-accept]): `walk` follows, from the root, the child whose token equals the
 target's token at the current node, and stops at the first node with no such child; that node's target
 token is the bonus. Greedy decoding passes the per-node argmax (`accept_greedy`), sampling passes one
-independent target sample per node; the walk is identical, which is what makes sampling lossless. The walk
-is L unrolled steps, each a masked compare over all 1+N nodes (O(L*N)); L is passed as a static argument
-because the tree's shape only bounds the depth by N.
+independent target sample per node; the walk is identical, which is what makes sampling lossless. It is
+computed without stepping: the path is the nodes whose every ancestor (and itself) is its parent's target
+token, found by pointer jumping (O(N log N)); L, the path's length bound, is a static argument because the
+tree's shape only bounds the depth by N.
 
 The ancestor mask uses pointer jumping, ceil(log2(1+N)) rounds of whole-row gathers (O(N^2 log N) bits).
 
@@ -104,17 +105,20 @@ def root_only(root: jax.Array, budget: int) -> Tree:
 
 
 Step = Callable[[jax.Array, jax.Array], jax.Array]      # (states [B, n], tokens [B, n]) -> states; -1 = dead
+TopK = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]   # jax.lax.top_k's contract
 
 
 def build_tree(root: jax.Array, draft_logits: jax.Array, budget: int, step: Step | None = None,
-               root_state: jax.Array | None = None, first_allowed: jax.Array | None = None) -> Tree:
+               root_state: jax.Array | None = None, first_allowed: jax.Array | None = None,
+               top_k: TopK = jax.lax.top_k) -> Tree:
     """The `budget` most probable prefixes of the draft, as a Tree. root [B] int, draft_logits [B, L, V].
     With ``step`` and ``root_state`` [B], only prefixes the automaton allows (module doc); ``first_allowed``
-    [B, V] bool: the tokens root_state allows, applied before depth 1's top-K."""
+    [B, V] bool: the tokens root_state allows, applied before depth 1's top-K. ``top_k``: the vocabulary's top-K
+    (``kimi_jax.model.vocab.top_k`` where a mesh splits the vocabulary)."""
     log_probs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
     if first_allowed is not None and log_probs.shape[1]:      # budget 0 drafts no depth
         log_probs = log_probs.at[:, 0].set(jnp.where(first_allowed, log_probs[:, 0], -jnp.inf))
-    return build_tree_from_log_probs(root, log_probs, budget, step, root_state)
+    return build_tree_from_log_probs(root, log_probs, budget, step, root_state, top_k=top_k)
 
 
 # Up to this many candidates per depth (N x K) and kept nodes (L x N), "auto" builds by counting (module doc)
@@ -123,7 +127,8 @@ _DIGIT_BITS, _DIGITS_PER_WORD = 6, 5    # a rank tuple packed into int32 words: 
 
 
 def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int, step: Step | None = None,
-                              root_state: jax.Array | None = None, method: str = "auto") -> Tree:
+                              root_state: jax.Array | None = None, method: str = "auto",
+                              top_k: TopK = jax.lax.top_k) -> Tree:
     """`build_tree` on normalised log-probs [B, L, V] (float32, every entry <= 0 so that a parent never scores
     below its child). Tests call this directly to feed the heap reference bit-identical log-probs. ``method``:
     "sort", "count", or "auto": counting up to ``COUNT_MAX`` (module doc)."""
@@ -136,7 +141,7 @@ def build_tree_from_log_probs(root: jax.Array, log_probs: jax.Array, budget: int
     k = min(n, vocab)
     # Top-K tokens per depth, ties: lower id first. Rows flattened to 2-D: in this program XLA:CPU lowered
     # the 3-D top_k to a full sort over V instead of its TopK kernel (20x slower at V = 163840).
-    top_lp, top_id = jax.lax.top_k(log_probs.astype(jnp.float32).reshape(bsz * depth_l, vocab), k)
+    top_lp, top_id = top_k(log_probs.astype(jnp.float32).reshape(bsz * depth_l, vocab), k)
     top_lp = top_lp.reshape(bsz, depth_l, k)
     top_id = top_id.reshape(bsz, depth_l, k)
     # XLA's top_k ranks -0.0 below +0.0 (total order); a heap treats them as equal. Only a probability-1
@@ -370,27 +375,30 @@ def ancestor_mask(tree: Tree) -> jax.Array:
 def walk(tree: Tree, target_tokens: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Acceptance walk. target_tokens [B, 1+N]: the target's token at each node (argmax, or one sample each).
 
-    max_depth (static) bounds the tree depth: the draft length L for `build_tree` / `chain_tree` trees. It
-    sets the number of unrolled steps, each a masked compare over all nodes, so pass L rather than N.
-    Returns (path [B, max_depth+1] int32 node indices, root (0) first, entries past path_len = -1;
-    path_len [B] in [1, max_depth+1]; bonus [B] = target token at the last node of the path).
+    max_depth (static) bounds the tree depth: the draft length L for `build_tree` / `chain_tree` trees; the path
+    has max_depth + 1 entries. Returns (path [B, max_depth+1] int32 node indices, root (0) first, entries past
+    path_len = -1; path_len [B] in [1, max_depth+1]; bonus [B] = target token at the last node of the path).
+
+    Written without the walk's sequential steps: a node is on the path when it and each of its ancestors is the
+    token the target chose at its parent (siblings are distinct, so that picks at most one node a depth), which
+    pointer jumping over the parents finds in ceil(log2(1+N)) rounds of vector gathers (``ancestor_mask``'s
+    rounds, on one bit a node); the path is then one reduction: ~10 fewer GPU kernels a round than L steps of
+    compare-and-advance.
     """
     bsz, size = tree.tokens.shape
     target_tokens = target_tokens.astype(jnp.int32)
     node_idx = jnp.arange(size, dtype=jnp.int32)
-    cur = jnp.zeros((bsz,), jnp.int32)
-    active = jnp.ones((bsz,), bool)
-    steps = [cur]
-    for _ in range(max_depth):
-        want = jnp.take_along_axis(target_tokens, cur[:, None], axis=1)  # [B, 1]
-        match = (tree.parents == cur[:, None]) & (tree.tokens == want) & tree.valid
-        child = jnp.max(jnp.where(match, node_idx, -1), axis=1)  # siblings are distinct: at most one match
-        active = active & (child >= 0)
-        cur = jnp.where(active, child, cur)
-        steps.append(jnp.where(active, child, -1))
-    path = jnp.stack(steps, axis=1)
+    at_parent = jnp.take_along_axis(target_tokens, jnp.maximum(tree.parents, 0), axis=1)
+    on_path = tree.valid & ((tree.parents < 0) | (tree.tokens == at_parent))    # after the pointer jumping below
+    up = jnp.where(tree.valid & (tree.parents >= 0), tree.parents, node_idx)    # the root and padding: themselves
+    for _ in range(max(size - 1, 1).bit_length()):
+        on_path = on_path & jnp.take_along_axis(on_path, up, axis=1)
+        up = jnp.take_along_axis(up, up, axis=1)
+    at_depth = on_path[:, None, :] & (tree.depths[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
+    path = jnp.max(jnp.where(at_depth, node_idx, -1), axis=-1)                              # [B, max_depth+1]
     path_len = jnp.sum(path >= 0, axis=1).astype(jnp.int32)
-    bonus = jnp.take_along_axis(target_tokens, cur[:, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(path, (path_len - 1)[:, None], axis=1)
+    bonus = jnp.take_along_axis(target_tokens, last, axis=1)[:, 0]
     return path, path_len, bonus
 
 
