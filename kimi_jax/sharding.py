@@ -162,6 +162,15 @@ def axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def shard_index(axes: tuple[str, ...], mesh: Mesh):
+    """Inside ``jax.shard_map``: this device's position along ``axes`` taken together (the first axis the most
+    significant, as a PartitionSpec entry of several axes splits an array)."""
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+    return idx
+
+
 def logical_to_spec(axes, mesh: Mesh, strategy: str | Strategy) -> P:
     """Logical axis names (None = unnamed) -> PartitionSpec; a mesh axis may be used once per array."""
     st = get_strategy(strategy)

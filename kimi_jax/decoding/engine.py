@@ -37,6 +37,7 @@ from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.decoding import auto, constrained, ddtree, methods, processors
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.fields import METHODS, GenerationError  # noqa: F401  (both are part of the engine's surface)
+from kimi_jax.model import vocab
 from kimi_jax.model.transformer import ForwardOut, chunked_forward, forward
 from kimi_jax.text.grammar import GrammarTables
 
@@ -159,7 +160,7 @@ def _choose(logits, spec: Spec, state: State, key, tree: ddtree.Tree | None = No
     if spec.process:
         return processors.choose(logits, state.sampling, state.history, state.temperature, key, spec.sample, tree)
     if not spec.sample:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return vocab.argmax(logits, spec.rt)
     return jax.random.categorical(key, logits / state.temperature[:, None, None], axis=-1).astype(jnp.int32)
 
 

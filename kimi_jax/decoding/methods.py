@@ -16,10 +16,11 @@ state (bonus token, committed lengths, drafter feature cache); it holds nothing 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
 
 from kimi_jax.decoding import constrained, ddtree
 from kimi_jax.decoding import drafter as dflash
+from kimi_jax.model import vocab
 
 
 class AR:
@@ -60,7 +61,7 @@ class DFlash(AR):
                             state.cache.lengths, spec.block_size, depth=self.draft_depth(spec))
 
     def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
-        return ddtree.chain_tree(state.bonus, jnp.argmax(draft_logits, -1).astype(jnp.int32))
+        return ddtree.chain_tree(state.bonus, vocab.argmax(draft_logits, spec.rt))
 
 
 class DDTree(DFlash):
@@ -72,11 +73,12 @@ class DDTree(DFlash):
 
     def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
         g = state.grammar
+        top_k = functools.partial(vocab.top_k, rt=spec.rt)
         if g is None:
-            return ddtree.build_tree(state.bonus, draft_logits, spec.nodes)
+            return ddtree.build_tree(state.bonus, draft_logits, spec.nodes, top_k=top_k)
         # structured output: only prefixes the row's automaton allows (depth 1 among its state's allowed tokens)
         return ddtree.build_tree(state.bonus, draft_logits, spec.nodes, constrained.step(g.tables), g.state,
-                                 constrained.allowed(g.tables, g.state[:, None])[:, 0])
+                                 constrained.allowed(g.tables, g.state[:, None])[:, 0], top_k=top_k)
 
 
 BY_NAME = {"ar": AR(), "dflash": DFlash(), "ddtree": DDTree()}

@@ -118,13 +118,6 @@ def _num_experts(experts) -> int:
     return experts.num_experts
 
 
-def _local_index(axes: tuple[str, ...], mesh):
-    idx = jnp.int32(0)
-    for a in axes:
-        idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-    return idx
-
-
 def _per_layer_specs(cfg: ModelConfig, mesh, st: sharding.Strategy):
     """PartitionSpecs of one layer's routed experts and shared expert (no leading 'layers' axis)."""
     moe = layer_specs(cfg, 1, moe=True)["moe"]
@@ -148,7 +141,7 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
         with jax.named_scope("experts"):
             if ep_axes:
                 n_local = _num_experts(experts)
-                lo = _local_index(ep_axes, mesh) * n_local
+                lo = sharding.shard_index(ep_axes, mesh) * n_local
                 local = (ids >= lo) & (ids < lo + n_local)
                 ids, weights = jnp.where(local, ids - lo, 0), jnp.where(local, weights, 0.0)
             y = _routed_f32(x, ids, weights, experts, rt)
