@@ -1,7 +1,7 @@
 """The drafter attention op (kimi_jax.ops.drafter_attention): the Triton kernels in interpret mode against the
-reference over block widths, GQA groups, heads, ragged contexts, masks and dtypes; its derivative; what "auto"
-picks over the shape space on every target; and deviceless compiles (spills as errors) of what "auto" picks at
-K2.6's shapes and others on every GPU target."""
+reference over block widths, GQA groups, heads, ragged contexts, masks and dtypes; its derivative; the drafter
+run through it; what "auto" picks over the shape space on every target; and deviceless compiles (spills as
+errors) of what "auto" picks at K2.6's shapes and others on every GPU target."""
 
 import itertools
 
@@ -12,6 +12,7 @@ import pytest
 
 from kimi_jax.analysis import targets
 from kimi_jax.analysis.targets import TRITON_CALL
+from kimi_jax.config import Runtime
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.ops import registry
 from kimi_jax.ops.drafter_attention.api import (DRAFTER_ATTENTION, MAX_BLOCK_TOKENS, DrafterAttentionCall, attend,
@@ -115,6 +116,27 @@ def test_the_derivative_is_the_references():
     got, want = (jax.grad(loss(impl), argnums=range(5))(*args) for impl in ("pallas", "xla"))
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.abs(r).max()))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("split", [True, False])
+def test_the_drafter_through_the_kernel(split):
+    """draft() with Runtime(attn_impl="pallas") (interpret mode on the CPU) against the XLA path, per-layer
+    buffers (the kernel reads each layer of the whole feature cache in place) and a stacked scan."""
+    c = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=96, vocab_size=128, block_size=5, mask_token_id=127,
+                             target_layer_ids=(0, 1), layer_causal=(True, False), layer_window=(6, 0))
+    p = dflash.compute_params(dflash.init_params(c, jax.random.key(0)), split=split)
+    rng = np.random.default_rng(5)
+    target = {"embed": jnp.asarray(rng.standard_normal((128, 64)), jnp.float32),
+              "lm_head": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)}
+    taps = jnp.asarray(rng.standard_normal((2, 2, 11, 64)), jnp.float32)
+    lengths = jnp.asarray([11, 7])
+    cache, _ = dflash.prefill_features(p, c, target, taps, lengths, 20)
+    bonus = jnp.asarray([3, 9])
+    got, want = (dflash.draft(p, c, target, cache, bonus, lengths, 5, rt=Runtime(attn_impl=impl))
+                 for impl in ("pallas", "xla"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 # ---- the rules and what "auto" picks ------------------------------------------------------------------------------
