@@ -142,8 +142,8 @@ class Runtime:
     calls its kernels take, Triton otherwise; XLA where it is lowered for a CPU or TPU, and for calls no kernel
     takes), "pallas" (the Triton kernels; interpret mode off the GPU), "xla", or "mosaic" (the Mosaic GPU kernels:
     programs lowered for a Hopper GPU with 16-bit activations and caches), for the INT4 expert matmul (and its
-    router) and the tree-verify attention (kimi_jax.ops.registry decides per call and lowering target; a forced
-    implementation that does not take a call is an error saying why).
+    router) and the tree-verify attention, attn_impl also for the drafter's (kimi_jax.ops.registry decides per
+    call and lowering target; a forced implementation that does not take a call is an error saying why).
     mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
     ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory

@@ -31,13 +31,16 @@ def _abstract(tree):
 def _generate_program(impl: str):
     """(lower(mesh or None) -> Lowered) for the embedded default's DDTree generate program, budget 8, with the
     INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies),
-    in bfloat16 as a GPU runs it (the GPU kernels' rules refuse 32-bit caches and router inputs when compiled:
-    a forced kernel would be an error)."""
+    in bfloat16 as a GPU runs it, the drafter too (the GPU kernels' rules refuse 32-bit caches, router inputs and
+    drafter attention operands when compiled: a forced kernel would be an error; ``load`` keeps a drafter in
+    float32)."""
     rt = kimi_jax.Runtime(moe_impl=impl, attn_impl=impl)
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt, dtype=jax.numpy.bfloat16)
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
-    inputs = model.inputs(request).replace(
-        params=compute_params(model.params, model.config, rt.replace(moe_impl="pallas")))   # INT4 experts kept
+    inputs = model.inputs(request)
+    inputs = inputs.replace(
+        params=compute_params(model.params, model.config, rt.replace(moe_impl="pallas")),   # INT4 experts kept
+        drafter_params=jax.tree.map(lambda a: a.astype(jnp.bfloat16), inputs.drafter_params))
     inputs = _abstract(inputs)
     lower = jax.jit(engine.generate_program, static_argnames=engine.STATICS).lower
 
@@ -119,11 +122,13 @@ def _k26_round(impl: str, target: str = "h200"):
     return lowered, LAYERS, LAYERS - DENSE
 
 
-def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
-    """(Triton calls, Mosaic GPU calls, layers, MoE layers) of the lowered K2.6 round for ``target``."""
+def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int, int]:
+    """(Triton calls, Mosaic GPU calls, layers, MoE layers, drafter layers) of the lowered K2.6 round for
+    ``target``."""
+    from bench.layer_ops import small_k26
     lowered, layers, moe = _k26_round(impl, target)
     text = lowered.as_text()
-    return text.count(TRITON_CALL), text.count(MOSAIC_CALL), layers, moe
+    return text.count(TRITON_CALL), text.count(MOSAIC_CALL), layers, moe, small_k26()[1].num_hidden_layers
 
 
 @pytest.mark.compile
@@ -133,13 +138,14 @@ def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int]:
     for case in [("h100", "auto"), ("b200", "auto"), ("h200", "mosaic"), ("h200", "pallas")]])
 def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
     """ops/registry.py's preference, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
-    placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge): Hopper's
-    "auto" (and "mosaic") runs the experts and the attention on Mosaic GPU, the rest on Triton; Blackwell (no
-    wgmma), sm_120 and "pallas" run all on Triton."""
-    triton, mosaic, layers, moe = _kernel_calls(target, impl)
+    placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge; per drafter
+    layer: the drafter attention's kernel and its merge, Triton's on every GPU): Hopper's "auto" (and "mosaic")
+    runs the experts and the tree attention on Mosaic GPU, the rest on Triton; Blackwell (no wgmma), sm_120 and
+    "pallas" run all on Triton."""
+    triton, mosaic, layers, moe, draft_layers = _kernel_calls(target, impl)
     on_mosaic = impl == "mosaic" or (impl == "auto" and target in ("h100", "h200"))
     expected = (3 * moe + layers, 2 * moe + layers) if on_mosaic else (5 * moe + 2 * layers, 0)
-    assert (triton, mosaic) == expected
+    assert (triton, mosaic) == (expected[0] + 2 * draft_layers, expected[1])
 
 
 @pytest.mark.compile

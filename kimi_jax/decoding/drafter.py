@@ -28,11 +28,13 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime, rope_fields, yarn_mscale
 from kimi_jax.model.compute_layout import own_buffers, program_platform, split_stacks
 from kimi_jax.model.layers import apply_rope_half, rms_norm, run_layers, swiglu, yarn_frequencies
-from kimi_jax.ops.numerics import MASK_VALUE
+from kimi_jax.ops.drafter_attention.api import attend
 
 CONFIG_FILE = "drafter_config.json"
 
@@ -306,10 +308,11 @@ def context_kv(p, c: DrafterConfig, ctx, positions):
 
 
 def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
-                 block_mask):
+                 block_mask, rt: Runtime | None = None):
     """The drafter forward over blocks of tokens, returning logits for every block slot [b, t, vocab]."""
     with jax.named_scope("drafter"):
-        x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask)
+        x = block_hidden(p, c, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible, block_mask,
+                         rt)
         return readout(x, c, target_params)
 
 
@@ -323,43 +326,65 @@ def readout(x, c: DrafterConfig, target_params):
 
 
 def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
-                 block_mask):
+                 block_mask, rt: Runtime | None = None):
     """The drafter's final-normed hidden state of every block slot [b, t, d].
 
     block [b, t] tokens at RoPE positions [b, t]; ctx_k/ctx_v [layers, b, s, kv_heads, head_dim] at positions
     ctx_positions [b, s]; ctx_visible [b, t, s] which context rows each block slot may see; block_mask [b, t, t]
     which block slots it may see (serving: its whole block; training packs many blocks). Each layer narrows that
-    by its own causality and window, measured in positions.
+    by its own causality and window, measured in positions. ``rt``: the attention's implementation
+    (``rt.attn_impl``, ``kimi_jax.ops.drafter_attention``) and mesh (None: "auto", no mesh).
     """
     inv_freq = _inv_freq(c)
-    group = c.num_attention_heads // c.num_key_value_heads
     x = target_params["embed"][block].astype(p["fc"].dtype) * c.input_embedding_scale
     allowed = jnp.concatenate([ctx_visible, block_mask], axis=-1)          # [b, t, s + t]
     # query position minus key position, for every (block slot, key)
     ahead = positions[:, :, None] - jnp.concatenate([ctx_positions, positions], axis=1)[:, None, :]
+    # Per-layer buffers (GPUs) loop in Python: each layer's attention reads its context rows from the whole cache
+    # in place (a slice of it would be copied into a buffer of its own for the kernel). A scan steps through them.
+    split = isinstance(p["layers"], tuple)
 
     def layer(x, xs):
-        lp, (ck, cv, causal, window) = xs
+        lp, (ctx_at, causal, window) = xs        # a layer index (split), or the layer's context rows
         visible = allowed & (~causal | (ahead >= 0))
         visible &= (window == 0) | ((ahead < window) & (causal | (-ahead < window)))
         h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
         q = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp["q"]), lp["q_norm"], c.rms_norm_eps)
         q = apply_rope_half(q, positions, inv_freq, c.rope_scale)
         k = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp["k"]), lp["k_norm"], c.rms_norm_eps)
-        k = jnp.concatenate([ck, apply_rope_half(k, positions, inv_freq, c.rope_scale)], axis=1)
-        v = jnp.concatenate([cv, jnp.einsum("btd,dhk->bthk", h, lp["v"])], axis=1)
-        q = q.reshape(*q.shape[:2], c.num_key_value_heads, group, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        o = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(*x.shape[:2], c.num_attention_heads, c.head_dim)
+        k = apply_rope_half(k, positions, inv_freq, c.rope_scale)
+        v = jnp.einsum("btd,dhk->bthk", h, lp["v"])
+        keys = (ctx_k, ctx_v, ctx_at) if split else (*ctx_at, None)
+        o = _attention(q, k, v, visible, *keys, rt)
         x = x + jnp.einsum("bthk,hkd->btd", o, lp["o"])
         h = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
         return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
 
-    xs = (ctx_k, ctx_v, jnp.asarray(c.causal), jnp.asarray(c.window, jnp.int32))
+    xs = (np.arange(c.num_hidden_layers) if split else (ctx_k, ctx_v), jnp.asarray(c.causal),
+          jnp.asarray(c.window, jnp.int32))
     x, _ = run_layers(layer, x, p["layers"], xs)
     return rms_norm(x, p["norm"], c.rms_norm_eps)
+
+
+def _attention(q, k, v, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
+    """``drafter_attention.attend`` of one layer (context rows ``k_ctx[layer]``, or ``k_ctx`` when layer is None),
+    under ``rt.mesh`` in ``jax.shard_map``, each device on its own batch rows: a Pallas call is opaque to the SPMD
+    partitioner, which would gather its operands onto every device. The drafter's weights are replicated
+    (``kimi_jax.api.load``; ``compute_params`` only splits their layer stacks), so every device attends with all
+    its heads (K2.6: 64 over 8 kv heads), on its batch rows where the strategy splits the batch."""
+    impl = "auto" if rt is None else rt.attn_impl
+
+    def local(q, k, v, visible, k_ctx, v_ctx):
+        return attend(q, k_ctx, v_ctx, k, v, visible, layer=layer, impl=impl)
+
+    if rt is None or rt.mesh is None:
+        return local(q, k, v, visible, k_ctx, v_ctx)
+    st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
+    rows = sharding.logical_to_spec(("batch", None, None, None), rt.mesh, st)
+    ctx = sharding.logical_to_spec((*(() if layer is None else (None,)), "batch", None, None, None), rt.mesh, st)
+    return jax.shard_map(local, mesh=rt.mesh, out_specs=rows, check_vma=False, in_specs=(
+        rows, rows, rows, sharding.logical_to_spec(("batch", None, None), rt.mesh, st), ctx, ctx))(
+            q, k, v, visible, k_ctx, v_ctx)
 
 
 def slot_positions(lengths, slots: int):
@@ -369,7 +394,8 @@ def slot_positions(lengths, slots: int):
     return newest - (newest - jnp.arange(slots)[None, :]) % slots
 
 
-def draft_hidden(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int):
+def draft_hidden(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int,
+                 rt: Runtime | None = None):
     """The hidden states [b, block_size, d] of each row's block [bonus, MASK, ...] at positions lengths + j."""
     b = bonus.shape[0]
     block = jnp.concatenate([bonus[:, None], jnp.full((b, block_size - 1), c.mask_token_id, jnp.int32)], axis=1)
@@ -378,16 +404,17 @@ def draft_hidden(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus,
     ctx_visible = jnp.broadcast_to((ctx_positions >= 0)[:, None, :], (b, block_size, ctx_positions.shape[1]))
     block_mask = jnp.ones((b, block_size, block_size), bool)
     return block_hidden(p, c, target_params, block, positions, cache.k, cache.v, ctx_positions, ctx_visible,
-                        block_mask)
+                        block_mask, rt)
 
 
 def draft(p, c: DrafterConfig, target_params, cache: FeatureCache, bonus, lengths, block_size: int,
-          depth: int | None = None):
+          depth: int | None = None, rt: Runtime | None = None):
     """Per-position draft logits [b, depth, vocab] for the tokens after each row's bonus (depth defaults to
     block_size - 1). The block always runs whole (later slots can inform earlier ones); only the `depth` slots a
-    tree of the caller's budget can reach go through the lm_head, the drafter's largest matmul."""
+    tree of the caller's budget can reach go through the lm_head, the drafter's largest matmul. ``rt``: the
+    engine's Runtime (the attention's implementation and mesh, ``block_hidden``)."""
     with jax.named_scope("drafter"):
-        x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size)
+        x = draft_hidden(p, c, target_params, cache, bonus, lengths, block_size, rt)
         return readout(x[:, 1:1 + (block_size - 1 if depth is None else depth)], c, target_params)
 
 

@@ -58,7 +58,7 @@ class DFlash(AR):
     def draft(self, params, drafter_params, spec, state):
         """The drafter's logits [b, L, vocab] for the L tokens after each row's bonus."""
         return dflash.draft(drafter_params, spec.drafter_cfg, params, state.drafter, state.bonus,
-                            state.cache.lengths, spec.block_size, depth=self.draft_depth(spec))
+                            state.cache.lengths, spec.block_size, depth=self.draft_depth(spec), rt=spec.rt)
 
     def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
         return ddtree.chain_tree(state.bonus, vocab.argmax(draft_logits, spec.rt))

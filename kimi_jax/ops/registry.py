@@ -1,8 +1,8 @@
 """The kernel registry: one API per op over its implementations, each stating what it supports.
 
-An ``Op`` (INT4 MoE, tree attention, router, placement of (token, slot) pairs, split-K merge) lists its
-``Implementation``s; each states ``supports(call, lowering) -> None | reason`` with every condition it has
-(dtypes, dims, rows, pages, tiles, the architecture, what the compiler needs), where ``call`` is the op's own
+An ``Op`` (INT4 MoE, tree attention, router, placement of (token, slot) pairs, split-K merge, drafter attention)
+lists its ``Implementation``s; each states ``supports(call, lowering) -> None | reason`` with every condition it
+has (dtypes, dims, rows, pages, tiles, the architecture, what the compiler needs), where ``call`` is the op's own
 description of a call's static facts and ``lowering`` what it is lowered for (``Lowering``). One resolver
 (``Op.resolve``) walks the target's preference list (``preference``) and takes the first implementation that
 supports the call; ``docs/design.md``'s table of rules is generated from here (``rules_table``).
@@ -70,7 +70,7 @@ from kimi_jax.ops.select import hopper, lowering_gpu, lowering_tpu, mosaic_lower
 
 # The modules that register the ops (``all_ops`` imports them: an op's module defines its calls and rules)
 OP_MODULES = ("kimi_jax.ops.int4_moe.rules", "kimi_jax.ops.int4_moe.pallas_triton", "kimi_jax.ops.tree_attention.rules",
-              "kimi_jax.ops.router.api")
+              "kimi_jax.ops.router.api", "kimi_jax.ops.drafter_attention.api")
 _OPS: dict[str, "Op"] = {}
 
 

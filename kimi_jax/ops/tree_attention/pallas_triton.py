@@ -91,21 +91,27 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _dot_nt(a, b):
+def dot_nt(a, b):
     """a [m, k] @ b[n, k]^T in float32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _online_update(carry, q, qpe, c, kpe, valid, scale):
+def online_update(carry, s, valid, v):
+    """One key block of an online (flash) softmax: the running (max m [bq], sum l [bq], acc [bq, dv]) of float32
+    scores ``s`` [bq, nk] where ``valid``, values ``v`` [nk, dv]. A row with no valid key so far keeps
+    m = MASK_VALUE, l = 0 and acc = 0 (``merge_pallas`` gives it zeros). Shared with the drafter's attention."""
     m, l, acc = carry
-    s = (_dot_nt(q, c) + _dot_nt(qpe, kpe)) * scale                     # [bq, nk]
     s = jnp.where(valid, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     prob = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
     l = alpha * l + jnp.sum(prob, axis=1)
-    acc = alpha[:, None] * acc + jnp.dot(prob.astype(c.dtype), c, preferred_element_type=F32)
+    acc = alpha[:, None] * acc + jnp.dot(prob.astype(v.dtype), v, preferred_element_type=F32)
     return m_new, l, acc
+
+
+def _online_update(carry, q, qpe, c, kpe, valid, scale):
+    return online_update(carry, (dot_nt(q, c) + dot_nt(qpe, kpe)) * scale, valid, c)      # MLA: K = V = c
 
 
 def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, o_ref, m_ref, l_ref, *,
@@ -187,10 +193,10 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
     out_ref[...] = jnp.where(seen, acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0).astype(out_ref.dtype)
 
 
-def merge_pallas(o, m, l, bq, out_dtype, interpret, rows: int | None = None):
+def merge_pallas(o, m, l, bq, out_dtype, interpret, rows: int | None = None, name: str = "mla_tree_attention_merge"):
     """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, rows, r] in out_dtype: the first ``rows`` (default
-    n_q) queries' merged outputs. The Triton kernel's merge, and the Mosaic GPU kernel's (its partials hold
-    whole 64-query blocks; ``rows`` drops the padding without a copy)."""
+    n_q) queries' merged outputs. The Triton kernel's merge, the Mosaic GPU kernel's (its partials hold
+    whole 64-query blocks; ``rows`` drops the padding without a copy) and the drafter attention's."""
     b, parts, n_q, r = o.shape
     rows = rows or n_q
     return pl.pallas_call(
@@ -203,7 +209,7 @@ def merge_pallas(o, m, l, bq, out_dtype, interpret, rows: int | None = None):
         out_shape=jax.ShapeDtypeStruct((b, rows, r), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="mla_tree_attention_merge",
+        name=name,
     )(o, m, l)
 
 
