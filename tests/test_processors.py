@@ -417,7 +417,7 @@ def oracle_draft(sequences, wrong_depth=1):
     """A drafter that knows the processed AR continuation, wrong on top at one depth (the true token second)."""
     table = jnp.asarray(sequences)
 
-    def draft(p, c, target_params, cache, bonus, lengths, block_size, depth=None):
+    def draft(p, c, target_params, cache, bonus, lengths, block_size, depth=None, rt=None):
         idx = lengths[:, None] + 1 + jnp.arange(block_size - 1 if depth is None else depth)[None, :]
         true = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1), axis=1)
         logits = 5.0 * jax.nn.one_hot(true, c.vocab_size)
