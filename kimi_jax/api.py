@@ -97,7 +97,8 @@ class Model:
         if self.drafter is None:
             return None
         if self._drafter_params is None or self._drafter_params[0] is not self.drafter.params:
-            self._drafter_params = (self.drafter.params, dflash.compute_params(self.drafter.params, self.mesh))
+            self._drafter_params = (self.drafter.params, dflash.compute_params(self.drafter.params, self.mesh,
+                                                                               strategy=self.runtime.strategy))
         return self._drafter_params[1]
 
     # ---- inputs ------------------------------------------------------------------------------------------
@@ -519,7 +520,8 @@ def load(path: str, drafter: str | None = None, mesh=None, dtype=None, tokenizer
             raise
     model = Model(cfg, params, tokenizer=tok, mesh=mesh, runtime=runtime)
     if drafter is not None:
-        # the drafter is small: replicated on every device of the mesh
-        model.drafter = load_drafter(drafter, cfg, verify=verify,
+        # loaded replicated, in the target's dtype (it reads the target's embedding and lm_head; a float32 copy of
+        # K2.6's would be 13 GiB a device); the programs run it split by heads (drafter.compute_params)
+        model.drafter = load_drafter(drafter, cfg, dtype=params["embed"].dtype, verify=verify,
                                      sharding=None if mesh is None else sharding.replicated(mesh))
     return model

@@ -1,6 +1,7 @@
 """The DFlash drafter: tap formula, the public checkpoint layout, non-causal blocks."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -112,7 +113,11 @@ def test_k26_round_with_its_drafter_compiles_on_eight_devices():
     from kimi_jax.config import KIMI_K26
     c = dflash.PRESETS["kimi-k2.6-dflash"]
     _, row = compile_round(KIMI_K26, c, part.make_mesh("tp=8"), "tp", batch=1, budget=16, context=8192)
-    assert row["drafter_bytes"] == 2 * dflash.param_count(c)                     # replicated, bf16
-    # ring of 4096 slots x 6 layers x 8 KV heads x 128, K and V, bf16
-    assert row["feature_cache_bytes"] == 4096 * 6 * 8 * 128 * 2 * 2
+    # bf16, split 8 ways by heads and MLP width (drafter.PARAM_AXES); fc and the norms replicated
+    shapes = dflash.param_shapes(c)
+    layers = shapes["layers"]
+    split = sum(math.prod(layers[k]) for k in ("q", "k", "v", "o", "gate", "up", "down"))
+    assert row["drafter_bytes"] == 2 * (dflash.param_count(c) - split + split // 8)
+    # ring of 4096 slots x 6 layers x 1 KV head a device (8 split 8 ways) x 128, K and V, bf16
+    assert row["feature_cache_bytes"] == 4096 * 6 * 1 * 128 * 2 * 2
     assert row["weight_bytes"] < 100e9                                           # the target is sharded 8 ways

@@ -175,3 +175,29 @@ def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, referen
                   for r in (rt, rt.replace(attn_impl="xla"))]
     assert manual == [3, 3]          # the MoE's shard_map, plus one per attention layer stack
     np.testing.assert_allclose(logits, reference[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tp", "tp_ep"])
+def test_drafter_split_by_heads_keeps_the_greedy_tokens(strategy, params, reference):
+    """A drafter whose heads the mesh divides is split like the target (query and kv heads, MLP width): each device
+    holds 1/8 of its attention and MLP weights and of its feature cache, and DDTree still emits the one-device AR
+    tokens. Its attention runs in shard_map on each device's heads (the Pallas kernel in interpret mode too)."""
+    from kimi_jax.decoding import drafter as dflash
+    ref_tokens, _ = reference
+    mesh = part.make_mesh(MESHES[strategy])
+    sharded = shard_params(params, CFG, mesh, strategy)
+    dcfg = dflash.DrafterConfig(hidden_size=CFG.hidden_size, num_hidden_layers=2, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=16, intermediate_size=64, vocab_size=CFG.vocab_size,
+                                block_size=4, mask_token_id=255, target_layer_ids=(0, 2))
+    drafter = dflash.Drafter(dcfg, dflash.init_params(dcfg, jax.random.key(1)))
+    for impl in ("xla", "pallas"):
+        model = kimi_jax.Model(CFG, sharded, drafter=drafter, mesh=mesh,
+                               runtime=Runtime(strategy=strategy, attn_impl=impl))
+        assert model.generate(PROMPTS, max_new_tokens=8, method="ddtree", budget=6).tokens == ref_tokens, impl
+    layers = model.drafter_params["layers"]
+    q = layers[0]["q"] if isinstance(layers, tuple) else layers["q"]
+    assert q.sharding.shard_shape(q.shape)[-2] == 16 // 8
+    state, _ = model.prefill(model.prepare(PROMPTS, 8, "ddtree", 6))
+    k = state.drafter.k
+    assert k.sharding.shard_shape(k.shape)[3] == 1

@@ -97,7 +97,7 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
     rep = part.replicated(mesh)
     dparams = None if dcfg is None else dflash.compute_params(jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep), dflash.param_shapes(dcfg),
-        is_leaf=lambda x: isinstance(x, tuple)), mesh, split)
+        is_leaf=lambda x: isinstance(x, tuple)), mesh, split, strategy)
     inputs = engine.Inputs(params, dparams, prompt=jax.ShapeDtypeStruct((batch, 16), jnp.int32),
                            lens=jax.ShapeDtypeStruct((batch,), jnp.int32),
                            temperature=jax.ShapeDtypeStruct((), jnp.float32),
@@ -106,6 +106,8 @@ def compile_round(cfg, dcfg, mesh, strategy: str = "tp", method: str = "ddtree",
         state, _ = jax.eval_shape(functools.partial(engine.prefill, spec=spec, max_new=64, max_len=context), inputs)
         cs = part.cache_sharding(cfg, mesh, strategy, batch=batch)
         shardings = jax.tree.map(lambda _: rep, state).replace(cache=cs)
+        if dcfg is not None:        # the feature cache split as the drafter's weights (drafter.feature_sharding)
+            shardings = shardings.replace(drafter=dflash.feature_sharding(dcfg, mesh, strategy))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
         t0 = time.perf_counter()
         step = jax.jit(engine.round_step, static_argnames=("spec",), donate_argnames=("state",))

@@ -271,14 +271,59 @@ class Drafter:
     params: dict
 
 
-def compute_params(p, mesh=None, split: bool | None = None):
-    """The drafter weights the generation programs run on: per-layer buffers when ``split`` (None: where the
-    target's rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for the platform the programs run on:
-    the mesh's, else the default device's)."""
+# The weights' logical axes (``param_shapes``' tree; ``kimi_jax.sharding``'s names): the heads and the MLP width split
+# as the target's do, so that a round reads 1/d of the drafter on each of d devices (K2.6's is 6.5 GiB in bf16: read
+# whole by every device of an 8-GPU node it was ~1.7 ms a round on H200s, more than its share of any other part).
+# The fc projection (0.6 GiB) and the norms stay replicated. The feature cache splits by kv heads with them.
+PARAM_AXES = {"fc": (None, None), "hidden_norm": (None,), "norm": (None,),
+              "layers": {"input_norm": ("layers", None), "post_norm": ("layers", None),
+                         "q": ("layers", None, "heads", None), "k": ("layers", None, "heads", None),
+                         "v": ("layers", None, "heads", None), "o": ("layers", "heads", None, None),
+                         "q_norm": ("layers", None), "k_norm": ("layers", None), "gate": ("layers", None, "mlp"),
+                         "up": ("layers", None, "mlp"), "down": ("layers", "mlp", None)}}
+FEATURE_AXES = ("layers", "batch", None, "heads", None)
+
+
+def split_axes(mesh, strategy, heads: int, kv_heads: int, mlp: int) -> frozenset:
+    """The logical axes the drafter splits over ``mesh`` under ``strategy``: "batch" as the strategy says, "heads"
+    where the mesh axes divide both the query and the kv heads, "mlp" where they divide the MLP width; an axis
+    they do not divide stays replicated (a drafter is not refused for it)."""
+    st = sharding.get_strategy(strategy or sharding.infer_strategy(mesh))
+    size = lambda name: sharding.axis_size(mesh, st.mesh_axes(name, mesh))   # noqa: E731
+    return frozenset({"batch"} | ({"heads"} if heads % size("heads") == 0 and kv_heads % size("heads") == 0 else set())
+                     | ({"mlp"} if mlp % size("mlp") == 0 else set()))
+
+
+def _spec(axes, mesh, strategy, split: frozenset):
+    st = sharding.get_strategy(strategy or sharding.infer_strategy(mesh))
+    return sharding.logical_to_spec(tuple(a if a in split else None for a in axes), mesh, st)
+
+
+def compute_params(p, mesh=None, split: bool | None = None, strategy=None):
+    """The drafter weights the generation programs run on: split over ``mesh`` by ``PARAM_AXES`` (``split_axes``;
+    abstract ShapeDtypeStructs get the shardings), in per-layer buffers when ``split`` (None: where the target's
+    rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for the platform the programs run on: the
+    mesh's, else the default device's)."""
+    if mesh is not None and mesh.size > 1:
+        lp = p["layers"]
+        axes = split_axes(mesh, strategy, lp["q"].shape[2], lp["k"].shape[2], lp["gate"].shape[2])
+        where = jax.tree.map(lambda a: jax.sharding.NamedSharding(mesh, _spec(a, mesh, strategy, axes)), PARAM_AXES,
+                             is_leaf=lambda x: isinstance(x, tuple))
+        if isinstance(jax.tree.leaves(p)[0], jax.ShapeDtypeStruct):
+            p = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), p, where)
+        else:       # a jitted identity reshards global arrays on every process (a run across hosts too)
+            p = jax.jit(lambda t: t, out_shardings=where)(p)
     if split is None:
         platform = program_platform(Runtime(mesh=mesh))
         split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), platform, mesh is not None)
     return split_stacks(p, ("layers",), "the drafter", split)
+
+
+def feature_sharding(c: DrafterConfig, mesh, strategy=None):
+    """FeatureCache of NamedShardings on ``mesh``: split by kv heads (and batch rows) as the weights are."""
+    s = jax.sharding.NamedSharding(mesh, _spec(FEATURE_AXES, mesh, strategy, split_axes(
+        mesh, strategy, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)))
+    return FeatureCache(k=s, v=s)
 
 
 # ---- forward ---------------------------------------------------------------------------------------------
@@ -368,10 +413,10 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
 
 def _attention(q, k, v, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
     """``drafter_attention.attend`` of one layer (context rows ``k_ctx[layer]``, or ``k_ctx`` when layer is None),
-    under ``rt.mesh`` in ``jax.shard_map``, each device on its own batch rows: a Pallas call is opaque to the SPMD
-    partitioner, which would gather its operands onto every device. The drafter's weights are replicated
-    (``kimi_jax.api.load``; ``compute_params`` only splits their layer stacks), so every device attends with all
-    its heads (K2.6: 64 over 8 kv heads), on its batch rows where the strategy splits the batch."""
+    under ``rt.mesh`` in ``jax.shard_map``, each device on its own heads and batch rows: a Pallas call is opaque
+    to the SPMD partitioner, which would gather its operands onto every device. The heads are split where the
+    weights are (``split_axes``; K2.6 on 8 devices: 8 query heads over 1 kv head each); GQA groups stay whole, as
+    consecutive query heads share a kv head."""
     impl = "auto" if rt is None else rt.attn_impl
 
     def local(q, k, v, visible, k_ctx, v_ctx):
@@ -379,11 +424,11 @@ def _attention(q, k, v, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
 
     if rt is None or rt.mesh is None:
         return local(q, k, v, visible, k_ctx, v_ctx)
-    st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
-    rows = sharding.logical_to_spec(("batch", None, None, None), rt.mesh, st)
-    ctx = sharding.logical_to_spec((*(() if layer is None else (None,)), "batch", None, None, None), rt.mesh, st)
+    split = split_axes(rt.mesh, rt.strategy, q.shape[2], k.shape[2], 0)
+    rows = _spec(("batch", None, "heads", None), rt.mesh, rt.strategy, split)
+    ctx = _spec(FEATURE_AXES[1 if layer is None else 0:], rt.mesh, rt.strategy, split)
     return jax.shard_map(local, mesh=rt.mesh, out_specs=rows, check_vma=False, in_specs=(
-        rows, rows, rows, sharding.logical_to_spec(("batch", None, None), rt.mesh, st), ctx, ctx))(
+        rows, rows, rows, _spec(("batch", None, None), rt.mesh, rt.strategy, split), ctx, ctx))(
             q, k, v, visible, k_ctx, v_ctx)
 
 

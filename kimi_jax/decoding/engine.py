@@ -319,6 +319,7 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
         earlier = None if prefix is None else (prefix.rows(prefix.k), prefix.rows(prefix.v))
         drafter, rows = dflash.prefill_features(inputs.drafter_params, spec.drafter_cfg, params, fwd.taps,
                                                 prompt_lens, max_len, start, earlier)
+        drafter = _placed_features(drafter, spec)
     state = State(cache=cache, drafter=drafter, bonus=jnp.zeros((b,), jnp.int32),     # the bonus: `first` below
                   out=jnp.zeros((b, max_new), jnp.int32), n_out=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
                   limit=jnp.full((b,), jnp.minimum(inputs.max_tokens, max_new), jnp.int32), rounds=jnp.int32(0),
@@ -368,13 +369,22 @@ def accept(spec: Spec, state: State, tree: ddtree.Tree, fwd: ForwardOut, key) ->
     return Round(tree, fwd, path, jnp.where(state.done, 0, path_len), bonus, states)
 
 
+def _placed_features(cache: dflash.FeatureCache, spec: Spec) -> dflash.FeatureCache:
+    """The drafter's feature cache split over the mesh as its weights are (``drafter.feature_sharding``), where
+    the partitioner might otherwise keep a whole copy on every device."""
+    if spec.rt.mesh is None or spec.rt.mesh.size == 1:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, dflash.feature_sharding(spec.drafter_cfg, spec.rt.mesh,
+                                                                           spec.rt.strategy))
+
+
 def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, width) -> State:
     """Accepted rows into place, their features into the drafter cache, tokens to the output."""
     cache = commit_cache(r.fwd.cache, r.path, r.path_len)
     drafter = state.drafter
     if spec.steps.uses_drafter:
-        drafter = dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter, r.fwd.taps, r.path,
-                                         r.path_len, state.cache.lengths)
+        drafter = _placed_features(dflash.commit_features(drafter_params, spec.drafter_cfg, params, drafter,
+                                                          r.fwd.taps, r.path, r.path_len, state.cache.lengths), spec)
     accepted_tokens = jnp.take_along_axis(r.tree.tokens, jnp.maximum(r.path[:, 1:], 0), axis=1)
     new_tokens = jnp.concatenate([accepted_tokens, r.bonus[:, None]], axis=1)
     # Place the bonus right after the accepted nodes: new_tokens[path_len - 1] = bonus.
