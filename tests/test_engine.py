@@ -43,7 +43,7 @@ def oracle_draft(sequences, wrong_depths=()):
     `wrong_depths`, where the top token is wrong and the true one ranks second (so trees must branch)."""
     table = jnp.asarray(sequences)
 
-    def draft(p, c, target_params, cache, bonus, lengths, block_size, depth=None):
+    def draft(p, c, target_params, cache, bonus, lengths, block_size, depth=None, rt=None):
         idx = lengths[:, None] + 1 + jnp.arange(block_size - 1 if depth is None else depth)[None, :]
         true = jnp.take_along_axis(table, jnp.minimum(idx, table.shape[1] - 1), axis=1)
         logits = 5.0 * jax.nn.one_hot(true, c.vocab_size)
@@ -365,3 +365,19 @@ def test_every_request_method_has_its_round_steps():
     for name, method in methods.BY_NAME.items():
         spec = engine.Spec(CFG, name, 0 if name == "ar" else 7, drafter_cfg=DCFG, block_size=8)
         assert method.uses_drafter == (name != "ar") and method.draft_len(spec) == (0 if name == "ar" else 7)
+
+
+def test_a_one_row_step_on_a_gpu_verifies_a_padding_row(target, ar_tokens, monkeypatch):
+    """``methods.pads_one_row``: a one-row plain step in a GPU program verifies the root and one invalid padding row
+    repeating its token (ddtree.ar_tree); it emits the unpadded step's tokens. Forced here on the CPU."""
+    from kimi_jax.decoding import methods
+    tree = ddtree.ar_tree(jnp.asarray([7]), pad=True)
+    assert tree.tokens.tolist() == [[7, 7]] and tree.valid.tolist() == [[True, False]]
+    assert ddtree.ar_tree(jnp.asarray([7, 8]), pad=False).tokens.shape == (2, 1)
+    pads = []
+    monkeypatch.setattr(methods, "program_platform", lambda rt: "cuda")
+    real = ddtree.ar_tree
+    monkeypatch.setattr(ddtree, "ar_tree", lambda root, pad: (pads.append(pad), real(root, pad))[1])
+    model = kimi_jax.Model(CFG, target)
+    assert model.generate([PROMPTS[1]], 23, method="ar").tokens == [ar_tokens[1][:23]]
+    assert pads and all(pads)

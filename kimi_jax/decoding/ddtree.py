@@ -104,6 +104,17 @@ def root_only(root: jax.Array, budget: int) -> Tree:
     )
 
 
+def ar_tree(root: jax.Array, pad: bool) -> Tree:
+    """A plain decoding step's tree: the root alone, or with ``pad`` the root and one padding slot that repeats its
+    token (``methods.pads_one_row``: one row on a GPU). XLA lowers a matmul of one row as a reduction, two kernels
+    at K2.6's widths, and one row's norms miss the fused normalization kernel: the 3-layer K2.6 AR step compiled
+    for 8 H200s launched 143 GPU ops where the same step over two rows launches 114 (docs/gpu_overhead.md). The
+    padding row is invalid (no row sees it, the walk never enters it), and with the root's token it routes to the
+    root's experts, so it reads no weights the root does not."""
+    tree = root_only(root, 1 if pad else 0)
+    return tree._replace(tokens=jnp.broadcast_to(tree.tokens[:, :1], tree.tokens.shape))
+
+
 Step = Callable[[jax.Array, jax.Array], jax.Array]      # (states [B, n], tokens [B, n]) -> states; -1 = dead
 TopK = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]   # jax.lax.top_k's contract
 

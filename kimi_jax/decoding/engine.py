@@ -430,7 +430,8 @@ def _auto_round(params, drafter_params, spec: Spec, state: State, costs, force, 
     widths = spec.widths
 
     def ar_step(state):
-        new, nan = _finish(params, drafter_params, spec, state, ddtree.root_only(state.bonus, 0), 0, keys)
+        tree = ddtree.ar_tree(state.bonus, methods.pads_one_row(spec, state.bonus.shape[0]))
+        new, nan = _finish(params, drafter_params, spec, state, tree, 0, keys)
         return new.replace(policy=auto.after_ar_step(state.policy)), nan
 
     def tree_round(state):

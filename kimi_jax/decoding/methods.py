@@ -21,6 +21,7 @@ import functools
 from kimi_jax.decoding import constrained, ddtree
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.model import vocab
+from kimi_jax.model.compute_layout import program_platform
 
 
 class AR:
@@ -39,7 +40,13 @@ class AR:
         return None
 
     def build_tree(self, spec, state, draft_logits) -> ddtree.Tree:
-        return ddtree.root_only(state.bonus, 0)
+        return ddtree.ar_tree(state.bonus, pads_one_row(spec, state.bonus.shape[0]))
+
+
+def pads_one_row(spec, batch: int) -> bool:
+    """Whether a plain step of ``batch`` rows verifies a padding row beside the root (``ddtree.ar_tree``): one row,
+    in a program for a GPU (where XLA's one-row matmuls cost launches; elsewhere the second row is only work)."""
+    return batch == 1 and program_platform(spec.rt) == "cuda"
 
 
 class DFlash(AR):
