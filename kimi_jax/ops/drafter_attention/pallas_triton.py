@@ -25,9 +25,9 @@ group's rows share. Each program writes its float32 partial (acc [tq, G, hd], ma
 output [b, t*H, hd] is q's layout, so neither side transposes or pads anything.
 
 Splits: ``tree_attention.pallas_triton.default_splits`` (~2 programs per H200 SM, at least 4 key blocks a
-split): at K2.6 (the drafter is replicated on every device: 8 kv heads, 4096 slots) 16 splits x 8 kv heads =
-128 programs, each streaming 4 x 64 keys x 128 x 2 (K and V) x 2 B = 128 KiB of the 16 MiB a layer reads, and
-writing 32 KiB of partials. Nothing here has run on a GPU; the tiles are the tree attention's, compiled
+split): at K2.6's 4096 slots 16 splits a kv head, each streaming 4 x 64 keys x 128 x 2 (K and V) x 2 B = 128 KiB
+and writing 32 KiB of partials; split by heads over 8 GPUs (``drafter.PARAM_AXES``) a device holds 1 kv head,
+16 + 1 programs and 2 MiB a layer; on one device, 8 kv heads, 136 programs and 16 MiB. Nothing here has run on a GPU; the tiles are the tree attention's, compiled
 deviceless spill-free on the GPU targets (tests/test_drafter_attention.py).
 """
 
