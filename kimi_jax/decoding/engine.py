@@ -430,7 +430,7 @@ def _auto_round(params, drafter_params, spec: Spec, state: State, costs, force, 
     widths = spec.widths
 
     def ar_step(state):
-        tree = ddtree.ar_tree(state.bonus, methods.pads_one_row(spec, state.bonus.shape[0]))
+        tree = methods.BY_NAME["ar"].build_tree(spec, state, None)       # the ar method's own step
         new, nan = _finish(params, drafter_params, spec, state, tree, 0, keys)
         return new.replace(policy=auto.after_ar_step(state.policy)), nan
 
