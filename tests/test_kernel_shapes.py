@@ -6,6 +6,7 @@ gave the Mosaic GPU tree attention 17 tree tokens x 4 heads (64 heads on 16 devi
 ("dimension 1 must have size smaller or a multiple of its tiling 8")."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -156,11 +157,13 @@ def _attention(target: str, call: AttentionCall, impl: str = "auto"):
     args = [s(b, t, h, call.latent), s(b, t, h, call.rope),
             s(call.slots // call.page, call.page, call.latent + call.rope) if call.page else
             s(b, call.slots, call.latent + call.rope), s(b, dtype=jnp.int32), s(b, t, t, dtype=jnp.bool_)]
+    args.append(s(call.latent, h, 2 * 128))                   # kv_b: K2.6's 128 nope + 128 value columns a head
     if call.page:
         args.append(s(b, call.slots // call.page, dtype=jnp.int32))
 
-    def fn(q, qpe, kv, lengths, mask, table=None):
-        return latent_attention(q, qpe, kv, lengths, mask, 0.1, impl=impl, page_table=table)
+    def fn(q, qpe, kv, lengths, mask, kv_b, table=None):       # W_UV given to the op, as the model does
+        return latent_attention(q, qpe, kv, lengths, mask, 0.1, impl=impl, page_table=table, w_uv=kv_b,
+                                w_uv_from=128)
     return _lower(target, fn, *args)
 
 
@@ -187,11 +190,18 @@ def _ids(samples):
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 @pytest.mark.parametrize("target,call", ATTENTION_SAMPLES, ids=_ids(ATTENTION_SAMPLES))
 def test_tree_attention_compiles_what_auto_picks(target, call):
-    """Through latent_attention(impl="auto"): the program holds the picked implementation's kernel and compiles
-    with spills as errors (the Mosaic kernel by ptxas, the Triton ones by XLA's Triton pipeline)."""
+    """Through latent_attention(impl="auto", w_uv=...): the program holds the picked implementation's kernel, the
+    GPU kernels' merge projects by W_UV (no dot left in XLA where merge.project_supports takes the call), and it
+    compiles with spills as errors (the Mosaic kernel by ptxas, the Triton ones by XLA's Triton pipeline)."""
+    from kimi_jax.ops.tree_attention.merge import project_supports
     lowered = _attention(target, call)
-    assert _kernel_in(lowered.as_text()) == TREE_ATTENTION.resolve(call, LOWERINGS[target])
-    lowered.compile(targets.compiler_options(target))
+    picked = TREE_ATTENTION.resolve(call, LOWERINGS[target])
+    assert _kernel_in(lowered.as_text()) == picked
+    compiled = lowered.compile(targets.compiler_options(target)).as_text()
+    if picked in ("pallas", "mosaic"):
+        rows = call.rows if picked == "pallas" else -(-call.rows // 64) * 64
+        in_kernel = project_supports(call.latent, call.heads, rows, (call.latent, call.heads, 256), 128) is None
+        assert (re.search(r"= \S+ dot\(", compiled) is None) == in_kernel, (target, call)
 
 
 @pytest.mark.slow

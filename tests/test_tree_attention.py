@@ -128,6 +128,72 @@ def test_matches_attend_absorbed():
         o_lat = attn(q_lat, q_pe, kv, lengths, mask, scale=cfg.softmax_scale, impl=impl)
         got = jnp.einsum("bthr,rhv->bthv", o_lat, params["kv_b"][..., n:])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        # W_UV given to the op (what mla.attend_tree does)
+        got = latent_attention(q_lat, q_pe, kv, lengths, mask, cfg.softmax_scale, impl=impl, w_uv=params["kv_b"],
+                               w_uv_from=n)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def partials(rng, b, parts, rows, r, dtype=np.float32):
+    """Random split-K partials (acc, max, sum) as the kernels write them; query row 1 saw no key in any part
+    (max still MASK_VALUE: zeros out), and row 2 only in part 0."""
+    from kimi_jax.ops.numerics import MASK_VALUE
+    m = rng.standard_normal((b, parts, rows)) * 3
+    m[:, :, 1] = MASK_VALUE
+    m[:, 1:, 2] = MASK_VALUE
+    total = np.where(m > MASK_VALUE / 2, rng.random((b, parts, rows)) + 0.5, 0.0)
+    o = rng.standard_normal((b, parts, rows, r)) * total[..., None]
+    return [jnp.asarray(a, jnp.float32) for a in (o, m, total)]
+
+
+# (b, parts, tokens, heads, padded rows, r, c, w_uv_from, dtype): K2.6's split of heads at a tree's width (17
+# parts, 17 tokens of 8 heads, rows padded to whole 64-row blocks as the Mosaic kernel writes them), 2 parts and
+# a ragged token block, 3 heads, bf16 with float32 weights
+PROJECTIONS = [(1, 17, 17, 8, 192, 64, 64, 32, jnp.bfloat16), (2, 2, 33, 1, 33, 64, 40, 8, jnp.float32),
+               (2, 3, 5, 3, 15, 96, 32, 16, jnp.float32)]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("b,parts,tokens,heads,rows,r,c,col,dtype", PROJECTIONS)
+def test_the_projecting_merge_is_the_merge_then_w_uv(b, parts, tokens, heads, rows, r, c, col, dtype):
+    """merge.merge_project against merge_pallas (rounded to the output dtype) then ``project`` in XLA."""
+    from kimi_jax.ops.tree_attention import merge
+    rng = np.random.default_rng(parts)
+    o, m, total = partials(rng, b, parts, rows, r)
+    w = jnp.asarray(rng.standard_normal((r, heads, c)) / np.sqrt(r), jnp.float32)
+    assert merge.project_supports(r, heads, rows, w.shape, col) is None
+    got = merge.merge_project(o, m, total, w, col, tokens, dtype, True)
+    lat = merge.merge_pallas(o, m, total, 16, dtype, True, rows=tokens * heads).reshape(b, tokens, heads, r)
+    want = merge.project(lat, w, col)
+    assert got.shape == (b, tokens, heads, c - col) and got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(jnp.abs(want).max()))
+    assert not np.asarray(got[:, 0, 1] if heads > 1 else got[:, 1, 0]).any()      # the row that saw nothing
+
+
+def test_the_projecting_merge_names_what_it_does_not_take():
+    from kimi_jax.ops.tree_attention.merge import project_supports
+    assert project_supports(512, 8, 17 * 8, (512, 8, 256), 128) is None              # K2.6 at TP-8
+    assert "power of two" in project_supports(512, 8, 136, (512, 8, 152), 128)       # 24 output columns
+    assert "multiple" in project_supports(48, 8, 136, (48, 8, 256), 128)             # a latent of 48
+    assert "whole tokens" in project_supports(512, 3, 64, (512, 3, 256), 128)        # 64 rows of 3 heads
+    assert "is not" in project_supports(512, 8, 136, (512, 4, 256), 128)             # heads disagree
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("c,col", [(48, 16), (40, 16)])      # v = 32 (the projecting merge), 24 (XLA after)
+def test_w_uv_through_the_op_equals_the_einsum_after_it(c, col):
+    """latent_attention(..., w_uv=) through the Triton kernels (interpret mode) and XLA, against XLA's o_lat then
+    the einsum, on a tree of 8 nodes x 4 heads and a latent of 64."""
+    q, qpe, kv = inputs(9, 2, 8, 4, 64, 16, 90)
+    w = jnp.asarray(np.random.default_rng(9).standard_normal((64, 4, c)) / 8, jnp.float32)
+    lengths, mask = jnp.asarray([20, 75], jnp.int32), tree_mask()
+    want = jnp.einsum("bthr,rhv->bthv", attn(q, qpe, kv, lengths, mask, scale=0.2, impl="xla"), w[..., col:])
+    for impl in ("xla", "pallas"):
+        got = latent_attention(q, qpe, kv, lengths, mask, 0.2, impl=impl, w_uv=w, w_uv_from=col)
+        assert got.shape == (2, 8, 4, c - col)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+    with pytest.raises(ValueError, match="w_uv"):
+        latent_attention(q, qpe, kv, lengths, mask, 0.2, w_uv=w[:, :3], w_uv_from=col)
 
 
 def test_rejects_bad_shapes():

@@ -194,3 +194,17 @@ def test_compiles_for_h200_k26_slice(width, page, monkeypatch, capfd):
                          + [(w, page, 262144) for w in (1, 65) for page in (0, 64)])
 def test_compiles_for_h200_more_widths_and_256k_slots(width, page, slots, monkeypatch, capfd):
     check_ptxas(*compile_h200(width, page, slots, capfd, monkeypatch))
+
+
+@pytest.mark.interpret
+def test_w_uv_in_the_merge_equals_the_einsum_after_it():
+    """With w_uv (MLA's kv_b), the Mosaic kernel's 64-row padded partials merge and project in one Triton kernel
+    (merge.merge_project): equal to its own o_lat through the einsum."""
+    q, qpe, kv = inputs(2, 1, 8, 4, 120)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(R, 4, 96)) / 12, jnp.bfloat16)
+    lengths, mask = jnp.asarray([70], jnp.int32), tree_mask()[:1]
+    o_lat = attn(q, qpe, kv, lengths, mask, scale=0.1, impl="mosaic", interpret=True)
+    want = np.asarray(jnp.einsum("bthr,rhv->bthv", o_lat, w[..., 32:]), np.float32)
+    got = latent_attention(q, qpe, kv, lengths, mask, 0.1, impl="mosaic", interpret=True, w_uv=w, w_uv_from=32)
+    assert got.shape == (1, 8, 4, 64) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=1e-2 * np.abs(want).max())

@@ -69,11 +69,11 @@ def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelCo
     (kimi_jax.ops.tree_attention.api) between W_UK and W_UV, whose kernels stream the prefix (of a paged cache: the
     row's own pages) without a dense [b, t, s] mask. ``partitioned``: left to XLA's partitioner (the op's rules
     then refuse what it cannot partition)."""
-    w_uk, w_uv = p["kv_b"][..., :cfg.qk_nope_head_dim], p["kv_b"][..., cfg.qk_nope_head_dim:]
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    o_lat = latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
-                             page_table=page_table, layer=layer, partitioned=partitioned)
-    return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p["kv_b"][..., :cfg.qk_nope_head_dim])
+    # W_UV (kv_b's columns after the nope ones) is applied by the op: in its merge kernel on GPUs
+    return latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
+                            page_table=page_table, layer=layer, partitioned=partitioned, w_uv=p["kv_b"],
+                            w_uv_from=cfg.qk_nope_head_dim)
 
 
 def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str,

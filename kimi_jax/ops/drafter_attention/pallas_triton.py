@@ -43,8 +43,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
 from kimi_jax.ops.select import lowering_tiles
-from kimi_jax.ops.tree_attention.pallas_triton import (MERGE_BLOCK, MIN_DOT, default_splits, dot_nt, merge_pallas,
-                                                       online_update)
+from kimi_jax.ops.tree_attention.merge import merge_pallas
+from kimi_jax.ops.tree_attention.pallas_triton import MERGE_BLOCK, MIN_DOT, default_splits, dot_nt, online_update
 
 MAX_GROUP = 64          # query heads per kv head: a program's rows are whole groups
 

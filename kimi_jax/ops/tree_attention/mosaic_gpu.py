@@ -46,7 +46,8 @@ Structure (why it differs from the Triton kernel):
   memory (not a register operand of wgmma, as FA3 does) because Pallas' GPU interpreter, which the tests run
   the kernel in, takes only smem operands.
 - Partials ``(acc [64, dv], m, l)`` per split are float32 in HBM and merge by LSE in Triton's merge kernel
-  (``pallas_triton.merge_pallas``: one launch, where XLA's merge is two; Mosaic GPU has no merge of ours).
+  (``merge.merge_pallas``: one launch, where XLA's merge is two; Mosaic GPU has no merge of ours), which also
+  applies W_UV when the caller gives it (``merge.merge_project``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from kimi_jax.ops.numerics import F32, MASK_VALUE
 from kimi_jax.ops.registry import Lowering
 from kimi_jax.ops.select import lowering_gpu, mosaic_interpret_params
 from kimi_jax.ops.tree_attention.rules import MOSAIC_BLOCK, AttentionCall, mosaic_supports
-from kimi_jax.ops.tree_attention.pallas_triton import merge_pallas
+from kimi_jax.ops.tree_attention.merge import merge_heads
 from kimi_jax.ops.tree_attention.xla import tree_rows, tree_slots
 
 BLOCK_Q = MOSAIC_BLOCK  # wgmma M of one warpgroup
@@ -265,7 +266,7 @@ def _attention_call(q, qpe, kv, tree_kv, tree_mask, lengths, layer, table, *, sc
 
 
 def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q=None, block_k=None,
-                            num_splits=None, page_table=None, layer=None, out_dtype=None,
+                            num_splits=None, page_table=None, layer=None, out_dtype=None, w_uv=None, w_uv_from=0,
                             tiles: Tiles | None = None):
     """``api.latent_attention``'s computation through the Mosaic GPU kernel (module doc), for the calls
     ``rules.mosaic_supports`` takes (block_q and block_k fixed at 64: None or 64); ``interpret``: True (or an
@@ -319,5 +320,4 @@ def latent_attention_mosaic(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
                               n_slots=n_slots, n_tree=tp // BLOCK_K, page=page, interpret=interpret)
     # Triton's merge kernel (one launch; XLA's merge_states is two): a query that saw no key (m still MASK_VALUE
     # everywhere) holds junk here (no second where in the kernel), which it zeroes, as api.py's contract says
-    out = merge_pallas(o, m, l, MERGE_BLOCK, out_dtype or F32, bool(interpret), rows=n_q)           # [b, n_q, r]
-    return out.reshape(b, t, h, r)
+    return merge_heads(o, m, l, t, h, MERGE_BLOCK, out_dtype or F32, bool(interpret), w_uv, w_uv_from)

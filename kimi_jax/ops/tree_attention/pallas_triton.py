@@ -25,7 +25,7 @@ One ``pl.pallas_call`` in the Triton-lowering subset (power-of-two loads, ``fori
 - Feature dims that are not powers of two >= 16 (tiny test configs) are zero-padded outside the kernel, which
   copies the cache; K2's 512 + 64 never does.
 - Each program writes its partial ``(acc [bq, r], m, l)`` in float32; the ``ns + 1`` partials merge by LSE in
-  jnp (a few MB at K2 widths).
+  ``merge.py``'s Triton kernel, which also applies W_UV when the caller gives it (``merge_project``).
 
 Tiling (for an H200; nothing here has been run on hardware yet). K2: ``h = 64`` heads (``64/TP`` per device),
 ``t = 1 + N`` tree nodes, head dim ``r + p = 512 + 64``, value dim 512.
@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.numerics import F32, MASK_VALUE, next_pow2
 from kimi_jax.ops.select import lowering_tiles
+from kimi_jax.ops.tree_attention.merge import merge_heads
 from kimi_jax.ops.tree_attention.xla import tree_rows, tree_slots
 
 TREE_BLOCK = 32         # tree keys per block = bits per mask word
@@ -99,7 +100,7 @@ def dot_nt(a, b):
 def online_update(carry, s, valid, v):
     """One key block of an online (flash) softmax: the running (max m [bq], sum l [bq], acc [bq, dv]) of float32
     scores ``s`` [bq, nk] where ``valid``, values ``v`` [nk, dv]. A row with no valid key so far keeps
-    m = MASK_VALUE, l = 0 and acc = 0 (``merge_pallas`` gives it zeros). Shared with the drafter's attention."""
+    m = MASK_VALUE, l = 0 and acc = 0 (``merge.merge_pallas`` gives it zeros). Shared with the drafter's attention."""
     m, l, acc = carry
     s = jnp.where(valid, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -177,42 +178,6 @@ def _kernel(len_ref, layer_ref, q_ref, qpe_ref, kv_ref, pt_ref, tkv_ref, w_ref, 
         store(jax.lax.fori_loop(0, n_words, body, init))
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, n_parts):
-    """LSE merge of the n_parts partial states of one query block (xla.merge_states, one launch instead of
-    XLA's two fusions). A query whose every part kept the initial max saw no key: zeros (the Mosaic GPU kernel
-    leaves junk in such a state's l and acc; this kernel's own partials have l = 0 there)."""
-    big_m = jax.lax.fori_loop(1, n_parts, lambda j, mx: jnp.maximum(mx, m_ref[j, :]), m_ref[0, :])
-
-    def body(j, carry):
-        total, acc = carry
-        w = jnp.exp(m_ref[j, :] - big_m)
-        return total + w * l_ref[j, :], acc + w[:, None] * o_ref[j, :, :]
-
-    total, acc = jax.lax.fori_loop(0, n_parts, body, (jnp.zeros_like(big_m), jnp.zeros(out_ref.shape, F32)))
-    seen = (big_m > MASK_VALUE / 2)[:, None]
-    out_ref[...] = jnp.where(seen, acc / jnp.where(total > 0, total, 1.0)[:, None], 0.0).astype(out_ref.dtype)
-
-
-def merge_pallas(o, m, l, bq, out_dtype, interpret, rows: int | None = None, name: str = "mla_tree_attention_merge"):
-    """o [b, parts, n_q, r], m, l [b, parts, n_q] -> [b, rows, r] in out_dtype: the first ``rows`` (default
-    n_q) queries' merged outputs. The Triton kernel's merge, the Mosaic GPU kernel's (its partials hold
-    whole 64-query blocks; ``rows`` drops the padding without a copy) and the drafter attention's."""
-    b, parts, n_q, r = o.shape
-    rows = rows or n_q
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, n_parts=parts),
-        grid=(_cdiv(rows, bq), b),
-        in_specs=[pl.BlockSpec((None, parts, bq, r), lambda i, k: (k, 0, i, 0)),
-                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i)),
-                  pl.BlockSpec((None, parts, bq), lambda i, k: (k, 0, i))],
-        out_specs=pl.BlockSpec((None, bq, r), lambda i, k: (k, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, rows, r), out_dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=name,
-    )(o, m, l)
-
-
 def _pack_mask(mask):
     """bool [..., 32*W] -> int32 [..., W], bit k of word w = mask[..., 32w + k]."""
     *lead, n = mask.shape
@@ -228,7 +193,7 @@ def default_splits(n_blocks: int, programs_per_split: int) -> int:
 
 
 def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interpret, block_q, block_k,
-                             num_splits, page_table=None, layer=None, out_dtype=None):
+                             num_splits, page_table=None, layer=None, out_dtype=None, w_uv=None, w_uv_from=0):
     b, t, h, r_in = q_lat.shape
     # The kernel reads the whole cache kv [layers, ...] at ``layer`` in place: slicing one layer out in XLA
     # (kv[layer]) would copy it into its own buffer for the custom call (4.7 MB per layer at 4096 slots).
@@ -275,7 +240,6 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT}, got {v}")
     bk = min(block_k or tiles.block_k, _prev_pow2(n_rows))         # paged: n_rows = page, so bk divides it
     nq = _cdiv(n_q, bq)
-    qp = nq * bq
     n_blocks = _cdiv(n_slots, bk)
     ns = num_splits or default_splits(n_blocks, nq * b)
     ns = max(1, min(ns, n_blocks))
@@ -326,5 +290,4 @@ def latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, *, interp
         interpret=interpret,
         name="mla_tree_attention",
     )(lengths.astype(jnp.int32), layer, q2, qpe2, kv, table, tree_kv, words)
-    out = merge_pallas(o, m, l, MERGE_BLOCK, out_dtype or F32, interpret)                               # [b, n_q, r]
-    return out[..., :r_in].reshape(b, t, h, r_in)
+    return merge_heads(o, m, l, t, h, MERGE_BLOCK, out_dtype or F32, interpret, w_uv, w_uv_from, latent=r_in)
