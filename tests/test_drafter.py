@@ -113,11 +113,16 @@ def test_k26_round_with_its_drafter_compiles_on_eight_devices():
     from kimi_jax.config import KIMI_K26
     c = dflash.PRESETS["kimi-k2.6-dflash"]
     _, row = compile_round(KIMI_K26, c, part.make_mesh("tp=8"), "tp", batch=1, budget=16, context=8192)
-    # bf16, split 8 ways by heads and MLP width (drafter.PARAM_AXES); fc and the norms replicated
+    # bf16, split 8 ways by heads and MLP width (drafter.PARAM_AXES); fc and the norms replicated;
     shapes = dflash.param_shapes(c)
     layers = shapes["layers"]
     split = sum(math.prod(layers[k]) for k in ("q", "k", "v", "o", "gate", "up", "down"))
-    assert row["drafter_bytes"] == 2 * (dflash.param_count(c) - split + split // 8)
+    # in the programs' layout (drafter.fuse): q/k/v's norms as one [G + 2, hd] a layer, and the context K/V
+    # weights of every layer stored once more as one, split the same, with the k norms
+    norms = c.num_hidden_layers * (c.num_attention_heads // c.num_key_value_heads + 2) * c.head_dim
+    context = (math.prod(layers["k"]) + math.prod(layers["v"])) // 8 + math.prod(layers["k_norm"])
+    packed = norms - math.prod(layers["q_norm"]) - math.prod(layers["k_norm"]) + context
+    assert row["drafter_bytes"] == 2 * (dflash.param_count(c) - split + split // 8 + packed)
     # ring of 4096 slots x 6 layers x 1 KV head a device (8 split 8 ways) x 128, K and V, bf16
     assert row["feature_cache_bytes"] == 4096 * 6 * 1 * 128 * 2 * 2
     assert row["weight_bytes"] < 100e9                                           # the target is sharded 8 ways

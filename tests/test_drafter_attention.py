@@ -16,7 +16,7 @@ from kimi_jax.config import Runtime
 from kimi_jax.decoding import drafter as dflash
 from kimi_jax.ops import registry
 from kimi_jax.ops.drafter_attention.api import (DRAFTER_ATTENTION, MAX_BLOCK_TOKENS, DrafterAttentionCall, attend,
-                                               pallas_supports)
+                                               pack_qkv, pallas_supports, unpack_qkv)
 from kimi_jax.ops.drafter_attention.reference import attend_reference
 from kimi_jax.ops.registry import Lowering
 
@@ -70,7 +70,7 @@ CASES = [(1, 8, 8, 1, 128, 100, "noncausal_window"), (2, 1, 2, 1, 16, 70, "rando
 def test_kernel_equals_the_reference(b, t, heads, kv_heads, hd, s, mask, dtype):
     rng = np.random.default_rng(hash((b, t, heads, s)) % 2**32)
     q, k_ctx, v_ctx, k_blk, v_blk, visible = operands(rng, b, t, heads, kv_heads, hd, s, mask, dtype)
-    got = attend(q, k_ctx, v_ctx, k_blk, v_blk, visible, layer=1, impl="pallas", interpret=True)
+    got = attend(pack_qkv(q, k_blk, v_blk), k_ctx, v_ctx, visible, layer=1, impl="pallas", interpret=True)
     want = attend_reference(q, k_ctx[1], v_ctx[1], k_blk, v_blk, visible)
     assert got.dtype == want.dtype == dtype
     # float32: sums in another order; bf16: the unnormalised probabilities are rounded where the reference
@@ -80,13 +80,27 @@ def test_kernel_equals_the_reference(b, t, heads, kv_heads, hd, s, mask, dtype):
                                atol=tol * float(jnp.abs(want.astype(jnp.float32)).max()))
 
 
+def test_packing_keeps_each_query_head_with_its_kv_head():
+    """pack_qkv puts query head h beside kv head h // G (the reference's GQA reading), and unpack_qkv undoes it."""
+    rng = np.random.default_rng(2)
+    q, _, _, k, v, _ = operands(rng, 2, 3, 6, 2, 16, 5, "random", jnp.float32)
+    qkv = pack_qkv(q, k, v)
+    assert qkv.shape == (2, 3, 2, 5, 16)
+    for h in range(6):
+        np.testing.assert_array_equal(qkv[:, :, h // 3, h % 3], q[:, :, h])
+    np.testing.assert_array_equal(qkv[:, :, :, 3], k)
+    np.testing.assert_array_equal(qkv[:, :, :, 4], v)
+    for got, want in zip(unpack_qkv(qkv), (q, k, v)):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.interpret
 def test_many_splits_and_a_ragged_query_block():
     """65 block tokens of group 4 (query blocks of 16 tokens, the last one ragged) over 300 slots: 5 key blocks in 2
     splits, the last block ragged."""
     rng = np.random.default_rng(7)
     q, k_ctx, v_ctx, k_blk, v_blk, visible = operands(rng, 1, 65, 4, 1, 16, 300, "random", jnp.float32, layers=1)
-    got = attend(q, k_ctx[0], v_ctx[0], k_blk, v_blk, visible, impl="pallas", interpret=True)
+    got = attend(pack_qkv(q, k_blk, v_blk), k_ctx[0], v_ctx[0], visible, impl="pallas", interpret=True)
     want = attend_reference(q, k_ctx[0], v_ctx[0], k_blk, v_blk, visible)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(jnp.abs(want).max()))
 
@@ -97,7 +111,8 @@ def test_a_row_that_sees_nothing_is_zeros():
     rng = np.random.default_rng(3)
     q, k_ctx, v_ctx, k_blk, v_blk, visible = operands(rng, 1, 3, 2, 1, 16, 40, "random", jnp.float32, layers=1)
     visible = visible.at[0, 1].set(False)
-    got = np.asarray(attend(q, k_ctx[0], v_ctx[0], k_blk, v_blk, visible, impl="pallas", interpret=True))
+    got = np.asarray(attend(pack_qkv(q, k_blk, v_blk), k_ctx[0], v_ctx[0], visible, impl="pallas",
+                            interpret=True))
     want = np.asarray(attend_reference(q, k_ctx[0], v_ctx[0], k_blk, v_blk, visible))
     np.testing.assert_array_equal(got[0, 1], 0)
     np.testing.assert_allclose(got[0, ::2], want[0, ::2], rtol=0, atol=2e-6 * np.abs(want).max())
@@ -111,9 +126,9 @@ def test_the_derivative_is_the_references():
     w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
 
     def loss(impl):
-        return lambda *a: jnp.sum(w * attend(*a[:2], a[2], a[3], a[4], visible, impl=impl, interpret=impl == "pallas"))
-    args = (q, k_ctx[0], v_ctx[0], k_blk, v_blk)
-    got, want = (jax.grad(loss(impl), argnums=range(5))(*args) for impl in ("pallas", "xla"))
+        return lambda *a: jnp.sum(w * attend(*a, visible, impl=impl, interpret=impl == "pallas"))
+    args = (pack_qkv(q, k_blk, v_blk), k_ctx[0], v_ctx[0])
+    got, want = (jax.grad(loss(impl), argnums=range(3))(*args) for impl in ("pallas", "xla"))
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.abs(r).max()))
 
@@ -142,12 +157,11 @@ def test_the_drafter_through_the_kernel(split):
 # ---- the rules and what "auto" picks ------------------------------------------------------------------------------
 
 def test_the_rules_name_each_limit():
-    call = DrafterAttentionCall(8, 64, 8, 128, 4096, ("bfloat16",) * 5)
+    call = DrafterAttentionCall(8, 64, 8, 128, 4096, ("bfloat16",) * 3)
     gpu, interpret = LOWERINGS["h200"], Lowering("default", interpret=True)
     assert pallas_supports(call, gpu) is None
-    refusals = {"dtype": call.__class__(8, 64, 8, 128, 4096, ("float32",) * 5),
-                "mixed": call.__class__(8, 64, 8, 128, 4096, ("bfloat16", "float32", "float32", "bfloat16",
-                                                              "bfloat16")),
+    refusals = {"dtype": call.__class__(8, 64, 8, 128, 4096, ("float32",) * 3),
+                "mixed": call.__class__(8, 64, 8, 128, 4096, ("bfloat16", "float32", "float32")),
                 "tokens": call.__class__(MAX_BLOCK_TOKENS + 1, 64, 8, 128, 4096, call.dtypes),
                 "slots": call.__class__(8, 64, 8, 128, 0, call.dtypes),
                 "head_dim": call.__class__(8, 64, 8, 96, 4096, call.dtypes),
@@ -158,8 +172,7 @@ def test_the_rules_name_each_limit():
         assert isinstance(pallas_supports(c, gpu), str), name
     assert pallas_supports(refusals["dtype"], interpret) is None        # float32 in interpret mode (the tests)
     with pytest.raises(ValueError, match="at least one context row"):
-        q = jnp.zeros((1, 2, 2, 16))
-        attend(q, jnp.zeros((1, 0, 1, 16)), jnp.zeros((1, 0, 1, 16)), q[:, :, :1], q[:, :, :1],
+        attend(jnp.zeros((1, 2, 1, 4, 16)), jnp.zeros((1, 0, 1, 16)), jnp.zeros((1, 0, 1, 16)),
                jnp.ones((1, 2, 2), bool), impl="pallas")
 
 
@@ -173,7 +186,7 @@ def test_auto_over_the_shape_space():
                                                               ("bfloat16", "float32")):
         if heads % kv_heads:
             continue
-        call = DrafterAttentionCall(t, heads, kv_heads, hd, s, (dtype,) * 5)
+        call = DrafterAttentionCall(t, heads, kv_heads, hd, s, (dtype,) * 3)
         group = heads // kv_heads
         kernel_takes = (dtype == "bfloat16" and t <= MAX_BLOCK_TOKENS and hd == 128 and not group & (group - 1))
         for target, lowering in LOWERINGS.items():
@@ -204,8 +217,8 @@ def compiled_hlo(target, b, t, heads, kv_heads, hd, s, layers=6):
     mesh = targets.compile_mesh(target, 1)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     arg = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    args = (arg(b, t, heads, hd), arg(layers, b, s, kv_heads, hd), arg(layers, b, s, kv_heads, hd),
-            arg(b, t, kv_heads, hd), arg(b, t, kv_heads, hd), arg(b, t, s + t, dtype=bool))
+    args = (arg(b, t, kv_heads, heads // kv_heads + 2, hd), arg(layers, b, s, kv_heads, hd),
+            arg(layers, b, s, kv_heads, hd), arg(b, t, s + t, dtype=bool))
     with targets.lowering_for(mesh):
         lowered = jax.jit(lambda *a: attend(*a, layer=3)).lower(*args)
     return lowered.compile(targets.compiler_options(target)).as_text()
@@ -219,6 +232,6 @@ def compiled_hlo(target, b, t, heads, kv_heads, hd, s, layers=6):
 def test_auto_compiles_on_every_gpu(target, shape):
     """What "auto" picks (the kernel and its merge: 2 Triton calls) compiles spill-free, deviceless."""
     b, t, heads, kv_heads, hd, s = shape
-    call = DrafterAttentionCall(t, heads, kv_heads, hd, s, ("bfloat16",) * 5)
+    call = DrafterAttentionCall(t, heads, kv_heads, hd, s, ("bfloat16",) * 3)
     assert DRAFTER_ATTENTION.resolve(call, LOWERINGS[target]) == "pallas"
     assert compiled_hlo(target, *shape).count(TRITON_CALL) == 2

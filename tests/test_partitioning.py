@@ -196,8 +196,10 @@ def test_drafter_split_by_heads_keeps_the_greedy_tokens(strategy, params, refere
                                runtime=Runtime(strategy=strategy, attn_impl=impl))
         assert model.generate(PROMPTS, max_new_tokens=8, method="ddtree", budget=6).tokens == ref_tokens, impl
     layers = model.drafter_params["layers"]
-    q = layers[0]["q"] if isinstance(layers, tuple) else layers["q"]
-    assert q.sharding.shard_shape(q.shape)[-2] == 16 // 8
+    qkv = layers[0]["qkv"] if isinstance(layers, tuple) else layers["qkv"]      # [(layers,) d, kv heads, G + 2, hd]
+    assert qkv.sharding.shard_shape(qkv.shape)[-3] == 8 // 8
+    context = model.drafter_params["context"]["kv"]                             # [d, layers, 2, kv heads, hd]
+    assert context.sharding.shard_shape(context.shape)[3] == 8 // 8
     state, _ = model.prefill(model.prepare(PROMPTS, 8, "ddtree", 6))
     k = state.drafter.k
     assert k.sharding.shard_shape(k.shape)[3] == 1

@@ -146,7 +146,7 @@ def test_no_room_to_split_keeps_the_stacks_and_says_so(stacked, monkeypatch):
         target = compute_layout.split_stacks(params, name="target")
     with pytest.warns(UserWarning, match="the drafter: stacked and per-layer weights do not both fit"):
         drafter = dflash.compute_params(dparams, split=True)
-    assert target is params and drafter is dparams
+    assert target is params and not isinstance(drafter["layers"], tuple)       # stacked, not split
     monkeypatch.undo()
     assert isinstance(compute_layout.split_stacks(params)["moe_layers"], tuple)
     assert isinstance(dflash.compute_params(dparams, split=True)["layers"], tuple)

@@ -282,6 +282,13 @@ PARAM_AXES = {"fc": (None, None), "hidden_norm": (None,), "norm": (None,),
                          "q_norm": ("layers", None), "k_norm": ("layers", None), "gate": ("layers", None, "mlp"),
                          "up": ("layers", None, "mlp"), "down": ("layers", "mlp", None)}}
 FEATURE_AXES = ("layers", "batch", None, "heads", None)
+# compute_params' tree: each layer's q, k, v as one weight and their norms as one (``qkv_weights``) and every
+# layer's context K/V projection as one (``context_weights``), split as the weights they are made of
+PACKED = ("q", "k", "v", "q_norm", "k_norm")
+COMPUTE_AXES = {**PARAM_AXES,
+                "layers": {**{k: a for k, a in PARAM_AXES["layers"].items() if k not in PACKED},
+                           "qkv": ("layers", None, "heads", None, None), "qkv_norm": ("layers", None, None)},
+                "context": {"kv": (None, "layers", None, "heads", None), "k_norm": ("layers", None)}}
 
 
 def split_axes(mesh, strategy, heads: int, kv_heads: int, mlp: int) -> frozenset:
@@ -300,19 +307,23 @@ def _spec(axes, mesh, strategy, split: frozenset):
 
 
 def compute_params(p, mesh=None, split: bool | None = None, strategy=None):
-    """The drafter weights the generation programs run on: split over ``mesh`` by ``PARAM_AXES`` (``split_axes``;
-    abstract ShapeDtypeStructs get the shardings), in per-layer buffers when ``split`` (None: where the target's
-    rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for the platform the programs run on: the
-    mesh's, else the default device's)."""
-    if mesh is not None and mesh.size > 1:
-        lp = p["layers"]
-        axes = split_axes(mesh, strategy, lp["q"].shape[2], lp["k"].shape[2], lp["gate"].shape[2])
-        where = jax.tree.map(lambda a: jax.sharding.NamedSharding(mesh, _spec(a, mesh, strategy, axes)), PARAM_AXES,
-                             is_leaf=lambda x: isinstance(x, tuple))
+    """The drafter weights the generation programs run on (``COMPUTE_AXES``' tree, made by ``fuse``): split over
+    ``mesh`` by those axes (``split_axes``; abstract ShapeDtypeStructs get the shardings), in per-layer buffers
+    when ``split`` (None: where the target's rule, ``kimi_jax.model.compute_layout.own_buffers``, says so for the
+    platform the programs run on: the mesh's, else the default device's). Weights already in that layout pass."""
+    if "context" not in p:
+        where = None
+        if mesh is not None and mesh.size > 1:
+            lp = p["layers"]
+            axes = split_axes(mesh, strategy, lp["q"].shape[2], lp["k"].shape[2], lp["gate"].shape[2])
+            where = jax.tree.map(lambda a: jax.sharding.NamedSharding(mesh, _spec(a, mesh, strategy, axes)),
+                                 COMPUTE_AXES, is_leaf=lambda x: isinstance(x, tuple))
         if isinstance(jax.tree.leaves(p)[0], jax.ShapeDtypeStruct):
-            p = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), p, where)
-        else:       # a jitted identity reshards global arrays on every process (a run across hosts too)
-            p = jax.jit(lambda t: t, out_shardings=where)(p)
+            p = jax.eval_shape(fuse, p)
+            if where is not None:
+                p = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), p, where)
+        else:       # one jitted program fuses and reshards global arrays on every process (a run across hosts too)
+            p = jax.jit(fuse, out_shardings=where)(p)
     if split is None:
         platform = program_platform(Runtime(mesh=mesh))
         split = own_buffers(len(jax.tree.leaves(p["layers"])[0]), platform, mesh is not None)
@@ -339,17 +350,51 @@ def context_features(p, c: DrafterConfig, taps):
     return rms_norm(feats @ p["fc"], p["hidden_norm"], c.rms_norm_eps)
 
 
+def fuse(p) -> dict:
+    """Weights in ``param_shapes``' tree (layers stacked) -> ``COMPUTE_AXES``' tree: each layer's q, k, v and
+    their norms packed (``qkv_weights``), every layer's context K/V as one ``context`` weight: concatenated once,
+    at load, rather than in every round."""
+    qkv, qkv_norm = jax.vmap(qkv_weights)(p["layers"])
+    layers = {k: a for k, a in p["layers"].items() if k not in PACKED}
+    return {**p, "layers": {**layers, "qkv": qkv, "qkv_norm": qkv_norm}, "context": context_weights(p)}
+
+
+def qkv_weights(lp):
+    """A layer's q, k, v projections as one weight [d, KVH, G + 2, hd] whose output is ``drafter_attention``'s
+    packed qkv (per kv head its G query heads, its key, its value), and the norm weight of that output [G + 2, hd]
+    (q_norm, k_norm, ones for v): ``lp["qkv"], lp["qkv_norm"]`` where ``fuse`` made them, else packed from the
+    layer's own (training, which differentiates those)."""
+    if "qkv" in lp:
+        return lp["qkv"], lp["qkv_norm"]
+    d, heads, hd = lp["q"].shape
+    kv_heads = lp["k"].shape[1]
+    group = heads // kv_heads
+    norm = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (group, hd)), lp["k_norm"][None],
+                            jnp.ones((1, hd), lp["k_norm"].dtype)])
+    return jnp.concatenate([lp["q"].reshape(d, kv_heads, group, hd), lp["k"][:, :, None], lp["v"][:, :, None]],
+                           axis=2), norm
+
+
+def context_weights(p) -> dict:
+    """Every layer's context K/V projection as one weight, kv [d, layers, 2, kv_heads, head_dim] (K then V), and
+    the layers' k norms [layers, head_dim]: ``p["context"]`` where ``compute_params`` stored them, else stacked from
+    the layers (training, which differentiates the layers' own weights). Stored once, the context rows' K/V of
+    all layers are one GEMM and one norm a round; per-layer buffers stacked in the round were a copy of every
+    layer's Wk/Wv each round (22 MB a device for K2.6 over 8 GPUs) and a norm kernel per layer."""
+    if "context" in p:
+        return p["context"]
+    layers = p["layers"]
+    stack = (lambda name: jnp.stack([lp[name] for lp in layers])) if isinstance(layers, tuple) else layers.get
+    return {"kv": jnp.stack([stack("k"), stack("v")], axis=2).transpose(1, 0, 2, 3, 4), "k_norm": stack("k_norm")}
+
+
 def context_kv(p, c: DrafterConfig, ctx, positions):
     """Per-layer K/V of the context rows: [layers, b, t, kv_heads, head_dim] each."""
-    inv_freq = _inv_freq(c)
-
-    def one(lp):
-        k = rms_norm(jnp.einsum("btd,dhk->bthk", ctx, lp["k"]), lp["k_norm"], c.rms_norm_eps)
-        return (apply_rope_half(k, positions, inv_freq, c.rope_scale), jnp.einsum("btd,dhk->bthk", ctx, lp["v"]))
-
-    if isinstance(p["layers"], tuple):                 # per-layer buffers (compute_layout.split_layers)
-        return jax.tree.map(lambda *a: jnp.stack(a), *[one(lp) for lp in p["layers"]])
-    return jax.vmap(one)(p["layers"])
+    w = context_weights(p)
+    kv = jnp.einsum("btd,dlshk->btlshk", ctx, w["kv"])     # rows major: the GEMM's output needs no transpose
+    k = rms_norm(kv[:, :, :, 0], w["k_norm"][:, None, :], c.rms_norm_eps)
+    k = apply_rope_half(k, positions[:, :, None], _inv_freq(c), c.rope_scale)
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(kv[:, :, :, 1], 2, 0)
 
 
 def block_logits(p, c: DrafterConfig, target_params, block, positions, ctx_k, ctx_v, ctx_positions, ctx_visible,
@@ -394,13 +439,10 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         visible = allowed & (~causal | (ahead >= 0))
         visible &= (window == 0) | ((ahead < window) & (causal | (-ahead < window)))
         h = rms_norm(x, lp["input_norm"], c.rms_norm_eps)
-        q = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp["q"]), lp["q_norm"], c.rms_norm_eps)
-        q = apply_rope_half(q, positions, inv_freq, c.rope_scale)
-        k = rms_norm(jnp.einsum("btd,dhk->bthk", h, lp["k"]), lp["k_norm"], c.rms_norm_eps)
-        k = apply_rope_half(k, positions, inv_freq, c.rope_scale)
-        v = jnp.einsum("btd,dhk->bthk", h, lp["v"])
+        w, norm = qkv_weights(lp)
+        qkv = _normed_qkv(jnp.einsum("btd,dkgh->btkgh", h, w), norm, c, positions, inv_freq)
         keys = (ctx_k, ctx_v, ctx_at) if split else (*ctx_at, None)
-        o = _attention(q, k, v, visible, *keys, rt)
+        o = _attention(qkv, visible, *keys, rt)
         x = x + jnp.einsum("bthk,hkd->btd", o, lp["o"])
         h = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
         return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
@@ -411,7 +453,16 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
     return rms_norm(x, p["norm"], c.rms_norm_eps)
 
 
-def _attention(q, k, v, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
+def _normed_qkv(qkv, norm, c: DrafterConfig, positions, inv_freq):
+    """The packed projections [b, t, KVH, G + 2, hd] with q and k RMS-normed (``norm``: ``qkv_weights``') and
+    rotated, v as it is: one elementwise pass over the one GEMM's output, so XLA emits one kernel for all three
+    (sliced apart, each was a kernel of its own)."""
+    group = qkv.shape[3] - 2
+    normed = apply_rope_half(rms_norm(qkv, norm, c.rms_norm_eps), positions[:, :, None], inv_freq, c.rope_scale)
+    return jnp.where((jnp.arange(group + 2) == group + 1)[:, None], qkv, normed)
+
+
+def _attention(qkv, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
     """``drafter_attention.attend`` of one layer (context rows ``k_ctx[layer]``, or ``k_ctx`` when layer is None),
     under ``rt.mesh`` in ``jax.shard_map``, each device on its own heads and batch rows: a Pallas call is opaque
     to the SPMD partitioner, which would gather its operands onto every device. The heads are split where the
@@ -419,17 +470,18 @@ def _attention(q, k, v, visible, k_ctx, v_ctx, layer, rt: Runtime | None):
     consecutive query heads share a kv head."""
     impl = "auto" if rt is None else rt.attn_impl
 
-    def local(q, k, v, visible, k_ctx, v_ctx):
-        return attend(q, k_ctx, v_ctx, k, v, visible, layer=layer, impl=impl)
+    def local(qkv, visible, k_ctx, v_ctx):
+        return attend(qkv, k_ctx, v_ctx, visible, layer=layer, impl=impl)
 
     if rt is None or rt.mesh is None:
-        return local(q, k, v, visible, k_ctx, v_ctx)
-    split = split_axes(rt.mesh, rt.strategy, q.shape[2], k.shape[2], 0)
-    rows = _spec(("batch", None, "heads", None), rt.mesh, rt.strategy, split)
-    ctx = _spec(FEATURE_AXES[1 if layer is None else 0:], rt.mesh, rt.strategy, split)
-    return jax.shard_map(local, mesh=rt.mesh, out_specs=rows, check_vma=False, in_specs=(
-        rows, rows, rows, _spec(("batch", None, None), rt.mesh, rt.strategy, split), ctx, ctx))(
-            q, k, v, visible, k_ctx, v_ctx)
+        return local(qkv, visible, k_ctx, v_ctx)
+    kv_heads, group = qkv.shape[2], qkv.shape[3] - 2
+    split = split_axes(rt.mesh, rt.strategy, kv_heads * group, kv_heads, 0)
+    spec = lambda axes: _spec(axes, rt.mesh, rt.strategy, split)       # noqa: E731
+    ctx = spec(FEATURE_AXES[1 if layer is None else 0:])
+    return jax.shard_map(local, mesh=rt.mesh, out_specs=spec(("batch", None, "heads", None)), check_vma=False,
+                         in_specs=(spec(("batch", None, "heads", None, None)), spec(("batch", None, None)), ctx, ctx))(
+                             qkv, visible, k_ctx, v_ctx)
 
 
 def slot_positions(lengths, slots: int):

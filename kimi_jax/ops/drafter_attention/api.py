@@ -1,7 +1,9 @@
 """The DFlash drafter's attention as one op over two implementations.
 
-``attend(q, k_ctx, v_ctx, k_blk, v_blk, visible)``: each block slot's query heads attend, GQA, to the context
-rows' keys and the block's own, where ``visible`` says (``reference.py``: the math ``drafter.block_hidden`` had).
+``attend(qkv, k_ctx, v_ctx, visible)``: each block slot's query heads attend, GQA, to the context rows' keys and
+the block's own, where ``visible`` says (``reference.py``: the math ``drafter.block_hidden`` had). The block's
+q, k and v come packed in one array (``pack_qkv``): the drafter projects and normalises them as one, and the
+kernel reads all three from that one output in place (three operands were three more XLA kernels a layer).
 
 impl="xla" (``reference.py``: per drafter layer two concatenates, the scores GEMM, three or four softmax
 reductions, two pads, two transposes, the PV GEMM and its split-K reduction: ~12 GPU ops at K2.6 shapes) or
@@ -30,7 +32,7 @@ MAX_BLOCK_TOKENS = 256      # a drafter block; wider calls are training's packed
 @dataclasses.dataclass(frozen=True)
 class DrafterAttentionCall:
     """The static facts of an ``attend`` call that the implementations' rules read: t block tokens of H query
-    heads over KVH kv heads of head_dim hd, s context rows; the operands' dtypes (q, k, v in that order)."""
+    heads over KVH kv heads of head_dim hd, s context rows; the operands' dtypes (qkv, k_ctx, v_ctx)."""
     tokens: int
     heads: int
     kv_heads: int
@@ -50,11 +52,11 @@ def _pow2(n: int) -> bool:
 def pallas_supports(call: DrafterAttentionCall, lowering: Lowering) -> str | None:
     """Why the Triton kernels cannot take the call (None: they can); pallas_triton.py's contract."""
     if len(set(call.dtypes)) != 1:
-        return f"the Triton kernel takes q, k and v of one dtype, got {call.dtypes}"
+        return f"the Triton kernel takes qkv and the context k, v of one dtype, got {call.dtypes}"
     if lowering.compiles_for_gpu and jnp.dtype(call.dtypes[0]).itemsize != 2:
         # deviceless compiles of float32 at these tiles: register spills at K2.6's shapes on H200, shared memory
         # exceeded at head_dim 256 on H200, B200 and the RTX PRO 6000
-        return f"compiled, the Triton kernel takes 16-bit q, k and v, got {call.dtypes[0]}"
+        return f"compiled, the Triton kernel takes 16-bit operands, got {call.dtypes[0]}"
     if call.tokens > MAX_BLOCK_TOKENS:
         return f"t={call.tokens} tokens is not a drafter block (kernels take up to {MAX_BLOCK_TOKENS}); use impl='xla'"
     if call.slots < 1:
@@ -69,17 +71,33 @@ def pallas_supports(call: DrafterAttentionCall, lowering: Lowering) -> str | Non
 
 DRAFTER_ATTENTION = Op("drafter attention", (
     Implementation("pallas", pallas_supports,
-                   f"any GPU (interpret mode elsewhere); q, k, v of one dtype, compiled a 16-bit one; t <= "
-                   f"{MAX_BLOCK_TOKENS}; s >= 1 context rows; head_dim a power of two >= {MIN_DOT}; query heads "
+                   f"any GPU (interpret mode elsewhere); qkv and context k, v of one dtype, compiled a 16-bit one; "
+                   f"t <= {MAX_BLOCK_TOKENS}; s >= 1 context rows; head_dim a power of two >= {MIN_DOT}; query heads "
                    f"per kv head a power of two <= {MAX_GROUP}"),
     Implementation("xla", always, "every call"),
 ), stand_ins=(("mosaic", "pallas"), ("tpu", "xla")))
 
 
-def attend(q, k_ctx, v_ctx, k_blk, v_blk, visible, *, layer=None, impl: str = "auto", interpret: bool = False):
-    """q [b, t, H, hd]; context k_ctx/v_ctx [b, s, KVH, hd], or with ``layer`` (int or int32 scalar) the whole
-    feature cache [layers, b, s, KVH, hd] and the layer attended over (the kernel reads it in place);
-    k_blk/v_blk [b, t, KVH, hd]; visible [b, t, s + t] bool (context keys first) -> [b, t, H, hd].
+def pack_qkv(q, k, v):
+    """q [b, t, H, hd], k/v [b, t, KVH, hd] -> qkv [b, t, KVH, H / KVH + 2, hd]: per kv head, the query heads that
+    read it (h // (H / KVH)), then its key, then its value."""
+    b, t, heads, hd = q.shape
+    kv_heads = k.shape[2]
+    return jnp.concatenate([q.reshape(b, t, kv_heads, heads // kv_heads, hd), k[:, :, :, None], v[:, :, :, None]],
+                           axis=3)
+
+
+def unpack_qkv(qkv):
+    """``pack_qkv``'s inverse: (q, k, v)."""
+    b, t, kv_heads, slots, hd = qkv.shape
+    return qkv[:, :, :, :-2].reshape(b, t, kv_heads * (slots - 2), hd), qkv[:, :, :, -2], qkv[:, :, :, -1]
+
+
+def attend(qkv, k_ctx, v_ctx, visible, *, layer=None, impl: str = "auto", interpret: bool = False):
+    """qkv [b, t, KVH, G + 2, hd] (``pack_qkv``: G = H / KVH query heads, the key, the value of each kv head);
+    context k_ctx/v_ctx [b, s, KVH, hd], or with ``layer`` (int or int32 scalar) the whole feature cache
+    [layers, b, s, KVH, hd] and the layer attended over (the kernel reads it in place); visible [b, t, s + t] bool
+    (context keys first) -> [b, t, H, hd].
 
     ``impl``: "auto", "xla", "pallas", "mosaic" (served by "pallas") or "tpu" (served by "xla"), resolved for
     the platform the program is lowered for (``kimi_jax.ops.registry``; a forced one that does not take the call
@@ -87,23 +105,23 @@ def attend(q, k_ctx, v_ctx, k_blk, v_blk, visible, *, layer=None, impl: str = "a
     kernel's derivative is the reference's."""
     if layer is None:
         k_ctx, v_ctx, layer = k_ctx[None], v_ctx[None], 0
-    b, t, heads, hd = q.shape
-    _, _, s, kv_heads, _ = k_ctx.shape
-    if (k_ctx.shape[1:] != (b, s, kv_heads, hd) or v_ctx.shape != k_ctx.shape or k_blk.shape != (b, t, kv_heads, hd)
-            or v_blk.shape != k_blk.shape or visible.shape != (b, t, s + t) or heads % kv_heads):
-        raise ValueError(f"shapes disagree: q {q.shape}, k_ctx {k_ctx.shape}, v_ctx {v_ctx.shape}, k_blk "
-                         f"{k_blk.shape}, v_blk {v_blk.shape}, visible {visible.shape} (want q [b, t, H, hd], "
-                         "k/v_ctx [layers, b, s, KVH, hd], k/v_blk [b, t, KVH, hd], visible [b, t, s + t], "
-                         "KVH dividing H)")
+    b, t, kv_heads, slots, hd = qkv.shape
+    _, _, s, _, _ = k_ctx.shape
+    if (slots < 3 or k_ctx.shape[1:] != (b, s, kv_heads, hd) or v_ctx.shape != k_ctx.shape
+            or visible.shape != (b, t, s + t)):
+        raise ValueError(f"shapes disagree: qkv {qkv.shape}, k_ctx {k_ctx.shape}, v_ctx {v_ctx.shape}, visible "
+                         f"{visible.shape} (want qkv [b, t, KVH, G + 2, hd] with G >= 1, k/v_ctx "
+                         "[layers, b, s, KVH, hd], visible [b, t, s + t])")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     visible = visible.astype(bool)
 
-    def reference(q, k_ctx, v_ctx, k_blk, v_blk, visible, layer):
+    def reference(qkv, k_ctx, v_ctx, visible, layer):
+        q, k_blk, v_blk = unpack_qkv(qkv)
         return attend_reference(q, k_ctx[layer[0]], v_ctx[layer[0]], k_blk, v_blk, visible)
 
     def pallas(*operands, interpret):
-        kernel = jax.custom_jvp(lambda q, k_ctx, v_ctx, k_blk, v_blk, visible, layer: attend_pallas(
-            q, k_ctx, v_ctx, k_blk, v_blk, visible, layer, interpret=interpret))
+        kernel = jax.custom_jvp(lambda qkv, k_ctx, v_ctx, visible, layer: attend_pallas(
+            qkv, k_ctx, v_ctx, visible, layer, interpret=interpret))
 
         # pallas_call has no derivative; the kernel computes the reference's function, so the reference's
         # derivative stands in (training differentiates through the drafter)
@@ -113,7 +131,7 @@ def attend(q, k_ctx, v_ctx, k_blk, v_blk, visible, *, layer=None, impl: str = "a
 
         return kernel(*operands)
 
-    call = DrafterAttentionCall(t, heads, kv_heads, hd, s, tuple(jnp.dtype(x.dtype).name for x in (q, k_ctx, v_ctx,
-                                                                                                    k_blk, v_blk)))
-    return DRAFTER_ATTENTION.dispatch(call, (q, k_ctx, v_ctx, k_blk, v_blk, visible, layer), impl=impl,
-                                      interpret=interpret, run={"pallas": pallas, "xla": reference})
+    call = DrafterAttentionCall(t, kv_heads * (slots - 2), kv_heads, hd, s,
+                                tuple(jnp.dtype(x.dtype).name for x in (qkv, k_ctx, v_ctx)))
+    return DRAFTER_ATTENTION.dispatch(call, (qkv, k_ctx, v_ctx, visible, layer), impl=impl, interpret=interpret,
+                                      run={"pallas": pallas, "xla": reference})

@@ -3,9 +3,11 @@ block's own keys, then the tree attention's LSE merge.
 
 Contract (``api.pallas_supports`` states the same conditions as rules):
 
-- q [b, t, H, hd], context k/v [layers, b, s, KVH, hd] read at ``layer`` in place (the whole feature cache, so
-  no layer's slice is copied into a buffer of its own for the call), block k/v [b, t, KVH, hd], visible
-  [b, t, s + t] (context keys first), all of one dtype; compiled, a 16-bit one (the checks against the
+- the block's q, k, v packed in one array qkv [b, t, KVH, G + 2, hd] (per kv head its G query heads, its key,
+  its value: ``api.pack_qkv``; the drafter projects and normalises them as one, so they reach the kernel as one
+  XLA output, read in place), context k/v [layers, b, s, KVH, hd] read at ``layer`` in place (the whole feature
+  cache, so no layer's slice is copied into a buffer of its own for the call), visible [b, t, s + t] (context
+  keys first), all of one dtype; compiled, a 16-bit one (the checks against the
   reference run float32 in interpret mode). Output [b, t, H, hd] in that dtype; scores, softmax and
   accumulation in float32; probabilities rounded to the dtype before the PV dot, as the reference does.
 - hd a power of two >= 16 (Triton's dots and loads); the GQA group G = H / KVH a power of two <= 64 (a
@@ -16,7 +18,7 @@ Contract (``api.pallas_supports`` states the same conditions as rules):
 
 Kernel 1, grid ``(nq, ns + 1, KVH, b)``. Program ``(i, j, h, bi)`` takes ``tq`` block tokens (query block i) of
 the G query heads that read kv head h: ``tq * G`` query rows (64 for K2.6's 8-token block and group 8), one
-[tq, G, hd] load from q in place, reshaped to rows. The GQA group shares its keys, so each key is read once per
+[tq, G, hd] load from qkv in place, reshaped to rows. The GQA group shares its keys, so each key is read once per
 query block (once per round at drafter widths). Splits ``j < ns`` stream context key blocks ``[j*bps,
 (j+1)*bps)`` of ``bk`` keys with an online softmax (``tree_attention.pallas_triton.online_update``); split
 ``ns`` streams the block's t keys. Each key block loads its [tq, bk] slice of ``visible`` (int8), which the
@@ -73,22 +75,23 @@ def query_tokens(t: int, group: int, block_rows: int) -> int:
     return max(MIN_DOT // group, min(next_pow2(t), block_rows // group), 1)
 
 
-def _kernel(layer_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, vis_ref, o_ref, m_ref, l_ref, *, scale, s, t, bk,
-            bkb, bps, n_splits):
+def _kernel(layer_ref, q_ref, kc_ref, vc_ref, qkv_ref, vis_ref, o_ref, m_ref, l_ref, *, scale, s, t, bk, bkb, bps,
+            n_splits):
     split, h, bi = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     tq, group, hd = q_ref.shape
     rows = tq * group
     q = q_ref[...].reshape(rows, hd)
     init = (jnp.full((rows,), MASK_VALUE, F32), jnp.zeros((rows,), F32), jnp.zeros((rows, hd), F32))
 
-    def keys(k_ref, v_ref, lead, col, n, nk, j, carry):
-        """Keys ``j*nk ..`` of the n in ``k_ref/v_ref[*lead, key, h]``, their mask columns from ``col``; keys
-        past n are masked loads (a ragged last block reads nothing out of bounds)."""
+    def keys(k_ref, v_ref, lead, k_tail, v_tail, col, n, nk, j, carry):
+        """Keys ``j*nk ..`` of the n in ``k_ref[*lead, key, *k_tail]`` (values: v_ref, v_tail), their mask
+        columns from ``col``; keys past n are masked loads (a ragged last block reads nothing out of bounds)."""
         start = j * nk
         ok = start + jnp.arange(nk, dtype=jnp.int32) < n
-        at = (*lead, pl.ds(start, nk), h)
-        k = pltriton.load(k_ref.at[at], mask=jnp.broadcast_to(ok[:, None], (nk, hd)), other=0)
-        v = pltriton.load(v_ref.at[at], mask=jnp.broadcast_to(ok[:, None], (nk, hd)), other=0)
+        k = pltriton.load(k_ref.at[(*lead, pl.ds(start, nk), *k_tail)], mask=jnp.broadcast_to(ok[:, None], (nk, hd)),
+                          other=0)
+        v = pltriton.load(v_ref.at[(*lead, pl.ds(start, nk), *v_tail)], mask=jnp.broadcast_to(ok[:, None], (nk, hd)),
+                          other=0)
         seen = pltriton.load(vis_ref.at[:, pl.ds(col + start, nk)], mask=jnp.broadcast_to(ok[None, :], (tq, nk)),
                              other=0) != 0
         valid = jnp.broadcast_to(seen[:, None, :], (tq, group, nk)).reshape(rows, nk)   # the group shares its row
@@ -105,23 +108,24 @@ def _kernel(layer_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, vis_ref, o_ref, m_
         layer = layer_ref[0]
         first = split * bps
         last = jnp.minimum(first + bps, pl.cdiv(s, bk))
-        body = functools.partial(keys, kc_ref, vc_ref, (layer, bi), 0, s, bk)
+        body = functools.partial(keys, kc_ref, vc_ref, (layer, bi), (h,), (h,), 0, s, bk)
         store(jax.lax.fori_loop(first, jnp.maximum(last, first), body, init))
 
     @pl.when(split == n_splits)
     def _block():
-        body = functools.partial(keys, kb_ref, vb_ref, (bi,), s, t, bkb)
+        at_k, at_v = jnp.int32(group), jnp.int32(group + 1)       # (a Python int does not index a ref)
+        body = functools.partial(keys, qkv_ref, qkv_ref, (bi,), (h, at_k), (h, at_v), s, t, bkb)
         store(jax.lax.fori_loop(0, pl.cdiv(t, bkb), body, init))
 
 
-def attend_pallas(q, k_ctx, v_ctx, k_blk, v_blk, visible, layer, *, interpret: bool, tiles: Tiles | None = None,
+def attend_pallas(qkv, k_ctx, v_ctx, visible, layer, *, interpret: bool, tiles: Tiles | None = None,
                   num_splits: int | None = None):
-    """q [b, t, H, hd], k_ctx/v_ctx [layers, b, s, KVH, hd] at ``layer`` (int32 [1]), k_blk/v_blk [b, t, KVH, hd],
-    visible [b, t, s + t] -> [b, t, H, hd] in q's dtype; shapes as ``api.pallas_supports`` takes (module doc).
-    ``tiles``: None picks them for the GPU being lowered for."""
-    b, t, heads, hd = q.shape
-    s, kv_heads = k_ctx.shape[2], k_ctx.shape[3]
-    group = heads // kv_heads
+    """qkv [b, t, KVH, G + 2, hd], k_ctx/v_ctx [layers, b, s, KVH, hd] at ``layer`` (int32 [1]), visible
+    [b, t, s + t] -> [b, t, H, hd] (H = KVH * G) in qkv's dtype; shapes as ``api.pallas_supports`` takes (module
+    doc). ``tiles``: None picks them for the GPU being lowered for."""
+    b, t, kv_heads, group, hd = qkv.shape
+    group -= 2
+    heads, s = kv_heads * group, k_ctx.shape[2]
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     tq = query_tokens(t, group, tiles.block_rows)
     nq = pl.cdiv(t, tq)
@@ -139,8 +143,9 @@ def attend_pallas(q, k_ctx, v_ctx, k_blk, v_blk, visible, layer, *, interpret: b
         kernel,
         grid=(nq, ns + 1, kv_heads, b),
         in_specs=[whole(layer),
-                  pl.BlockSpec((None, tq, group, hd), lambda i, j, h, k: (k, i, h, 0)),
-                  whole(k_ctx), whole(v_ctx), whole(k_blk), whole(v_blk),
+                  # the query heads: block 0 of G along qkv's G + 2 (the key and value after them unread)
+                  pl.BlockSpec((None, tq, None, group, hd), lambda i, j, h, k: (k, i, h, 0, 0)),
+                  whole(k_ctx), whole(v_ctx), whole(qkv),
                   pl.BlockSpec((None, tq, s + t), lambda i, j, h, k: (k, i, 0))],
         out_specs=[pl.BlockSpec((None, None, tq, group, hd), lambda i, j, h, k: (k, j, i, h, 0)),
                    pl.BlockSpec((None, None, tq, group), lambda i, j, h, k: (k, j, i, h)),
@@ -151,8 +156,8 @@ def attend_pallas(q, k_ctx, v_ctx, k_blk, v_blk, visible, layer, *, interpret: b
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="drafter_attention",
-    )(layer, q, k_ctx, v_ctx, k_blk, v_blk, visible.astype(jnp.int8))
+    )(layer, qkv, k_ctx, v_ctx, qkv, visible.astype(jnp.int8))
     rows = t * heads        # the partials' [t, H] is the merge's query axis (bitcasts, no copies)
     out = merge_pallas(o.reshape(b, ns + 1, rows, hd), m.reshape(b, ns + 1, rows), l.reshape(b, ns + 1, rows),
-                       MERGE_BLOCK, q.dtype, interpret, name="drafter_attention_merge")
+                       MERGE_BLOCK, qkv.dtype, interpret, name="drafter_attention_merge")
     return out.reshape(b, t, heads, hd)
