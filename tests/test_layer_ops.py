@@ -8,6 +8,8 @@ shared expert 3) and 514 per round; after: 15 and 421 (docs/gpu_overhead.md). At
 "Cutting the attention's kernels"): attend 12 -> 5.33 per layer, round 421 -> 407. Router (kimi_jax/ops/router:
 two Pallas kernels): 6 -> 2 per MoE layer, 15 -> 11 per MoE layer, round 407 -> 399. Layer indices as constants:
 round 399 -> 397. The pairs placed by one Pallas kernel: experts 6 -> 3, 11 -> 8 per MoE layer, round 397 -> 391.
+Issue 41: round 393 -> 263 (part two), then the drafter's packed q/k/v and context K/V weight and W_UV in the tree
+attention's merge: 263 -> 240 (attend 5.33 -> 3.33 a layer, fixed ops 180 -> 163).
 """
 
 import pytest
@@ -21,20 +23,21 @@ GPU_MISSING = targets.compiler_missing("h200")
 @pytest.mark.compile
 @pytest.mark.slow     # one ~30 s compile a case on a 2-core CPU
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("impl,experts,round_ops", [("auto", 4, 263), ("pallas", 3, 263)])
+@pytest.mark.parametrize("impl,experts,round_ops", [("auto", 4, 240), ("pallas", 3, 240)])
 def test_moe_layer_ops_for_h200(impl, experts, round_ops):
     """The default round for H200 (Mosaic GPU experts and attention) and the all-Triton one: experts on Mosaic
     GPU take one launch more (the row gather: Hopper's TMA copies boxes, not rows), the attention is at par
     (its tree rows and queries read in place, the merge in one kernel). Issue 41's fixed ops (drafter, tree,
-    walk, commit, unscoped: 180 from 309) and the whole round in one CUDA graph (docs/gpu_overhead.md)."""
+    walk, commit, unscoped: 163 from 309) and the whole round in one CUDA graph (docs/gpu_overhead.md)."""
     from bench import layer_ops
 
     got = layer_ops.count_round("h200", 8, impl=impl)
     per = layer_ops.per_layer(got["by_scope"])
     assert per["experts"] <= experts and per["router"] <= 2 and per["shared_expert"] <= 3, per
     assert layer_ops.moe_layer_ops(got["by_scope"]) <= experts + 5, per
-    assert per["attend"] <= 16 / 3 and per["qkv_proj"] <= 5 and per["o_proj"] <= 2 and per["cache_write"] <= 1, per
+    assert per["attend"] <= 10 / 3 and per["qkv_proj"] <= 5 and per["o_proj"] <= 2 and per["cache_write"] <= 1, per
     assert got["gpu_ops"] <= round_ops and got["host_launches"] == 1, got["by_scope"]
     assert per["norm"] <= 2, per                     # the MoE norm's weight rides in the router kernel
     fixed = {scope: n for scope, n in got["by_scope"].items() if not scope.startswith("verify")}
-    assert sum(fixed.values()) <= 180 and fixed["build_tree"] <= 38 and fixed["accept"] <= 9, fixed
+    assert sum(fixed.values()) <= 163 and fixed["build_tree"] <= 38 and fixed["accept"] <= 9, fixed
+    assert fixed["draft/drafter"] <= 86 and fixed["commit/drafter"] <= 6, fixed   # packed q/k/v, one context GEMM

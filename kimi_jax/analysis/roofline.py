@@ -559,22 +559,22 @@ class DesignOverhead:
     The counts are measured, not assumed: the thunk sequence of the K2.6 TP-8 DDTree round (budget 16, its
     6-layer DFlash drafter) compiled for 8 H200s as kimi_jax compiles it (per-layer weights, graph loops, XLA's
     split-K, the Mosaic GPU experts and tree attention Hopper gets by default), bench/results/gpu_overhead_h200.json
-    (2026-12-07, issue 41): 1871 GPU ops = 61 x 27.8 target-layer ops (the mean over 1 dense and 60 MoE layers,
-    the round's 8 unscoped ops included) + 6 x 18 drafter-layer ops (scopes ``draft/drafter`` and
-    ``commit/drafter``, 110 in all) + 64 round ops (``build_tree`` 40, ``accept`` 9, ``commit`` 15), in one CUDA
-    graph, one host submission. Before issue 41's cuts (2026-12-06): 2065 ops = 61 x 29.7 + 6 x 20 + 134, 5
-    submissions; all-Triton 2005 (28.7 a layer); before the router and placement kernels 2508 (36.9), before the
-    attention cuts 2798 (41.4), before the routing cuts 5443 (85). ``Runtime(split_k=False)`` compiles the same
-    round to 1743 ops (25.8 a layer); it is opt-in, so the default's counts stand here. The AR step of one row
-    (1825 ops, 29.6 a layer with its padding row, ``ddtree.ar_tree``) is not counted separately: width 1 takes
-    the DDTree round's per-layer count. B300 runs the Triton kernels but takes the H200 round's counts here: no
-    full-size B300 round has been counted. The per-op tail (2 us under CUDA graphs) and the per-submission host
-    cost (5 us) are assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run them
-    here.
+    (2026-12-07, issue 41 part three): 1730 GPU ops = 61 x 25.8 target-layer ops (the mean over 1 dense and 60 MoE
+    layers, the round's 9 unscoped ops included) + 6 x 15 drafter-layer ops (scopes ``draft/drafter`` and
+    ``commit/drafter``, 92 in all) + 62 round ops (``build_tree`` 38, ``accept`` 9, ``commit`` 15), in one CUDA
+    graph, one host submission. Earlier the same day (issue 41 part two): 1871 = 61 x 27.8 + 6 x 18 + 64. Before
+    issue 41's cuts (2026-12-06): 2065 ops = 61 x 29.7 + 6 x 20 + 134, 5 submissions; all-Triton 2005 (28.7 a
+    layer); before the router and placement kernels 2508 (36.9), before the attention cuts 2798 (41.4), before the
+    routing cuts 5443 (85). ``Runtime(split_k=False)`` compiles the same round to 1663 ops; it is opt-in, so the
+    default's counts stand here. The AR step of one row (1764 ops, 28.6 a layer with its padding row,
+    ``ddtree.ar_tree``) is not counted separately: width 1 takes the DDTree round's per-layer count. B300 runs the
+    Triton kernels but takes the H200 round's counts here: no full-size B300 round has been counted. The per-op
+    tail (2 us under CUDA graphs) and the per-submission host cost (5 us) are assumptions: [kernel-overhead] infers
+    2.5-4 us per launch under graphs; no GPU has run them here.
     """
-    ops_per_layer: float = 27.8
-    ops_per_drafter_layer: int = 18
-    round_ops: int = 64
+    ops_per_layer: float = 25.8
+    ops_per_drafter_layer: int = 15
+    round_ops: int = 62
     host_launches: int = 1
     op_tail_s: float = 2 * US
     host_launch_s: float = 5 * US
