@@ -23,6 +23,7 @@ the seconds (``compiled generate ddtree/16 batch 1 prompt 16 max_new 64 cache 12
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Callable
@@ -142,6 +143,7 @@ class Programs:
         self.compile_s += seconds
         log.info("compiled %s in %.1fs", what(), seconds)
         self._compiled[key] = compiled
+        _in_step()
         return compiled, seconds
 
     def cost_table(self, request: Request, inputs: Callable[..., engine.Inputs]) -> np.ndarray:
@@ -223,6 +225,24 @@ class Programs:
         key = (fn.__name__, tree, tuple((np.shape(a), str(a.dtype)) for a in leaves))
         program, _ = self.compiled(key, lambda: fn.lower(*args), lambda: f"{fn.__name__} of {np.shape(leaves[0])}")
         return program(*args)
+
+
+_COMPILES = itertools.count(1)       # programs compiled by this process: every process counts the same ones
+
+
+def _in_step(timeout_s: int = 1800) -> None:
+    """In a run across processes, wait until every process has compiled its latest program. They compile the
+    same programs in the same order, but one may read a program from the compilation cache while another
+    compiles it for minutes; the program's first collective would then wait on the late one, and on CPUs gloo
+    gives up connecting after a fixed 30 s ("Context initialization failed ... Connect timeout"). The barrier is
+    the coordination service's (jax.distributed's client: no device collective), one id per compile of the
+    process; one process skips it."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed           # the client's barrier has no public name in JAX
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"kimi_jax_compiled_{next(_COMPILES)}", timeout_in_ms=timeout_s * 1000)
 
 
 def _one_table_for_all(key: str, widths, stored, measure: Callable[[], np.ndarray]) -> np.ndarray:
