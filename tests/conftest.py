@@ -9,6 +9,7 @@ if "xla_force_host_platform_device_count" not in flags:
 
 import atexit  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -32,6 +33,24 @@ persistent_compile_cache()
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def fast_loop(markexpr: str) -> bool:
+    """Whether ``-m`` is the fast loop's: "not slow", alone or and-ed with other markers."""
+    expr = " ".join((markexpr or "").split())
+    return " or " not in f" {expr} " and re.search(r"(^|\band )not slow( and\b|$)", expr) is not None
+
+
+def pytest_configure(config):
+    """The fast loop has XLA:CPU's LLVM backend compile at -O0: compiling is most of a test's time here, and the
+    same optimized HLO (the HLO passes do not depend on the level) compiles in ~20% less CPU time at -O0, while
+    the kernels run slower, which the fast loop's short runs do not feel (the full suite's long runs would: the
+    16k-token prompt takes 45 s instead of 36). The full suite, CI's, keeps XLA's default; an XLA_FLAGS that sets
+    the level wins. Set before any test creates an array (the backend reads XLA_FLAGS when it starts);
+    pytest-xdist's workers and the CLI subprocesses inherit it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if fast_loop(config.getoption("markexpr", "")) and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
 
 
 def serve_in_thread(app, grace: float):

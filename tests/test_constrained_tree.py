@@ -53,8 +53,8 @@ def brute_force(lp: np.ndarray, budget: int, table, start: int) -> list[tuple]:
 
 
 @pytest.mark.parametrize("method", ("count", "sort"))
-@pytest.mark.parametrize("depth_l,vocab,budget,refuse", [(3, 5, 7, 0.4), (2, 6, 12, 0.5), (4, 3, 9, 0.3),
-                                                          (3, 4, 5, 0.0)])
+@pytest.mark.parametrize("depth_l,vocab,budget,refuse", [(3, 5, 7, 0.4)] + [   # one case in the fast loop
+    pytest.param(*case, marks=pytest.mark.slow) for case in [(2, 6, 12, 0.5), (4, 3, 9, 0.3), (3, 4, 5, 0.0)]])
 def test_constrained_tree_is_the_best_allowed_prefixes(depth_l, vocab, budget, refuse, method):
     rng = np.random.default_rng(depth_l * 100 + vocab)
     rows = 4

@@ -290,6 +290,7 @@ def test_layered_equals_stacked(converted, tmp_path):
         np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8), err_msg=k)
 
 
+@pytest.mark.slow     # a third conversion (~12 s); fast: a resume after a kill (test_killed_midway_then_resume_...)
 def test_killed_during_finalize_resumes(k26, converted, tmp_path, monkeypatch):
     """A kill between the atomic moves (some layers in layers/, the rest in .convert) resumes and completes."""
     out = str(tmp_path / "ckpt")
@@ -348,7 +349,9 @@ def _live_host_bytes(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("source", ["hf", "layered"])
+# The fast loop loads the layered form onto the mesh; the HF form read onto it (and read at all: test_load_hf_int4_
+# directory_equals_converted) in the full suite.
+@pytest.mark.parametrize("source", [pytest.param("hf", marks=pytest.mark.slow), "layered"])
 def test_load_on_mesh_places_each_layer_on_its_shardings(k26, converted, source, monkeypatch):
     """load(path, mesh=) chooses the shardings first: every weight lands sharded as param_shardings says, the
     HF reader's host arrays of a layer are freed before the next layer is read, and the orbax reads ask for

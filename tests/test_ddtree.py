@@ -92,8 +92,13 @@ def check_structure(t: dict, b: int, lp: np.ndarray, budget: int) -> None:
 METHODS = ("count", "sort")
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("depth_l,vocab,budget", CASES)
+# The fast loop checks the counting builder ("auto" at these sizes) against the heap here and the sorting one
+# against the counting one (test_the_builders_agree_past_the_counting_bound); the sorting builder here and the two
+# largest cases run in the full suite: (3, 3, 39) is test_complete_tree_when_budget_covers_all's, (4, 6, 40) is
+# (4, 6, 13)'s shape at a larger budget.
+@pytest.mark.parametrize("method", ["count", pytest.param("sort", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("depth_l,vocab,budget", [c if c not in ((3, 3, 39), (4, 6, 40)) else
+                                                  pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 def test_matches_heap_and_brute_force(depth_l, vocab, budget, method):
     """Golden tests 1-2: same nodes, order, parents, depths and scores as the heap; top-N scores of all prefixes."""
 
@@ -119,7 +124,7 @@ def test_matches_heap_and_brute_force(depth_l, vocab, budget, method):
     run()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["count", pytest.param("sort", marks=pytest.mark.slow)])     # as above
 @pytest.mark.parametrize("depth_l,vocab,small,large", [(3, 3, 7, 39), (4, 6, 13, 40)])
 def test_nesting(depth_l, vocab, small, large, method):
     """Golden test 3: T_N is the first N nodes of T_N'. The tie-break is a total order independent of N, so

@@ -64,8 +64,10 @@ CASES = [(1, 8, 8, 1, 128, 100, "noncausal_window"), (2, 1, 2, 1, 16, 70, "rando
          (1, 3, 16, 2, 16, 200, "causal_window")]
 
 
+# The fast loop interprets the first case in both dtypes; the other shapes and masks run in the full suite.
 @pytest.mark.interpret
-@pytest.mark.parametrize("b,t,heads,kv_heads,hd,s,mask", CASES)
+@pytest.mark.parametrize("b,t,heads,kv_heads,hd,s,mask", CASES[:1] + [pytest.param(*c, marks=pytest.mark.slow)
+                                                                      for c in CASES[1:]])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_equals_the_reference(b, t, heads, kv_heads, hd, s, mask, dtype):
     rng = np.random.default_rng(hash((b, t, heads, s)) % 2**32)
@@ -134,7 +136,7 @@ def test_the_derivative_is_the_references():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("split", [True, pytest.param(False, marks=pytest.mark.slow)])   # fast: per-layer
 def test_the_drafter_through_the_kernel(split):
     """draft() with Runtime(attn_impl="pallas") (interpret mode on the CPU) against the XLA path, per-layer
     buffers (the kernel reads each layer of the whole feature cache in place) and a stacked scan."""

@@ -81,6 +81,9 @@ def test_sort_by_expert(t, k, bm, kind, method):
     assert not real.reshape(nb, bm)[used:].any()
 
 
+# Slow (~10 s, op by op): the fast loop checks each method's placement (test_sort_by_expert) and the placement
+# kernel against the sort (test_placement_kernel_places_pairs_as_sorting_does[8]).
+@pytest.mark.slow
 @pytest.mark.parametrize("bm", [8, 16, 64])
 def test_counting_places_pairs_as_sorting_does(bm):
     """The two placements agree exactly, also with an expert repeated within a token (EP masking maps every
@@ -125,7 +128,7 @@ def test_placement_kernel_places_pairs_as_sorting_does(bm):
     (13, 3, "random"),       # ragged groups, 39 rows: not a multiple of the block
     pytest.param(1, 4, "random", marks=pytest.mark.slow),        # decode: one token, most experts empty
     pytest.param(2, 2, "random", marks=pytest.mark.slow),        # more empty experts than used ones
-    (37, 2, "one_expert"),   # one expert gets every token (3 blocks, the last partial)
+    pytest.param(37, 2, "one_expert", marks=pytest.mark.slow),   # one expert gets every token (3 blocks, last partial)
     pytest.param(32, 2, "few", marks=pytest.mark.slow),          # all rows on two experts, 32 rows each = exact blocks
     pytest.param(20, 1, "few", marks=pytest.mark.slow),          # every token on one expert, top-1
 ])

@@ -97,6 +97,7 @@ def test_tcgen05_interpret_matches_the_triton_kernel(t, k, block_m, splits):
 
 
 @pytest.mark.interpret
+@pytest.mark.slow      # ~10 s interpreted; fast: tcgen05's numerics without splits (test_tcgen05_interpret_...)
 def test_tcgen05_gate_up_split_k():
     """The float32 partial sums (a TMEM accumulator read per group, stored [N, rows]) over 2 K splits."""
     d, f, e = 512, 128, 2
@@ -114,6 +115,7 @@ def test_gate_up_splits_fill_h200_at_decode():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow      # a dtype variant of test_mosaic_interpret_matches_reference's fast (bf16) case
 def test_mosaic_float16_activations():
     """f16 takes the unpack's other base (1024 instead of bf16's 128)."""
     ex = random_experts(0, e=E, d=D, f=F)
@@ -204,8 +206,9 @@ SMEM_KIB = {64: {1: (49, 61), 2: (90, 102), 3: (131, 143), 4: (172, 184)},
 # block_m None: the default, which is 8 rows (swapped) at 1, 8 and 64 tokens of K2.6 (<= 2 rows a touched expert)
 @pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("tokens,stages,block_m", [(1, Tiles().stages, None), (64, Tiles().stages, 64)] + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in [
+# The fast loop compiles the decode slice; the 64-row block's, like the rest, in the full suite.
+@pytest.mark.parametrize("tokens,stages,block_m", [(1, Tiles().stages, None)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [(64, Tiles().stages, 64),
         (8, Tiles().stages, None), (64, Tiles().stages, None), (1, Tiles().stages, 64), (8, 1, None),
         (8, 3, None), (8, 4, None), (8, 1, 64), (8, 3, 64), (8, 4, 64)]])
 def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch, capfd):
@@ -228,8 +231,8 @@ def test_mosaic_compiles_for_h200_k26_slice(tokens, stages, block_m, monkeypatch
 # and after a B300 kernel an H200 one does (no wgmma on sm_103a); the rest of this suite compiles for H200.
 @pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("target,tokens", [("b200", 1)] + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in [("b200", 8), ("b200", 64), ("b300", 8)]])
+@pytest.mark.slow      # a process per compile (~10 s); fast: tcgen05's numerics (test_tcgen05_interpret_...)
+@pytest.mark.parametrize("target,tokens", [("b200", 1), ("b200", 8), ("b200", 64), ("b300", 8)])
 def test_tcgen05_compiles_for_blackwell_k26_slice(target, tokens):
     code = ("import json, test_int4_moe_mosaic as t; "
             f"print('RESULT', json.dumps(t.blackwell_compile({target!r}, {tokens})))")

@@ -18,6 +18,7 @@ from kimi_jax.ops.int4_moe.rules import TPU_BLOCK_M, TPU_KINDS, MoeCall, tpu_rul
 from test_int4_moe import D, check_close, padded_case, random_experts, routing
 
 tpu = jax.jit(int4_moe_tpu, static_argnames=("interpret", "block_m", "device_kind"))
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +32,17 @@ def fresh_tpu_interpret_state():
 # --- numerics (interpret mode) ---------------------------------------------------------------------------------
 
 
+# The fast loop interprets the kernel once (the first case, ~6 s on a 2-core VM); the other shapes, dtypes and
+# tiles below run in the full suite.
 @pytest.mark.interpret
 @pytest.mark.parametrize("t,k,kind,block_m", [
     (13, 3, "random", None),      # ragged groups, 39 rows in 16-row blocks
-    (1, 8, "random", None),       # decode: one token, top-8 of 8 experts, one real row per block
-    (3, 8, "random", None),       # odd tokens, every expert touched
-    (17, 8, "random", None),      # a 17-token verify: 136 pairs, 32-row blocks (default_block_m)
-    (37, 2, "one_expert", 64),    # one expert gets every token: two 64-row blocks of one expert, back to back
-    (32, 2, "few", None),         # two experts used: 4 of 11 blocks used, the other 7 skipped
-    (20, 1, "few", 256),          # the largest row block, top-1
+    pytest.param(1, 8, "random", None, marks=SLOW),       # decode: one token, top-8 of 8 experts, one real row/block
+    pytest.param(3, 8, "random", None, marks=SLOW),       # odd tokens, every expert touched
+    pytest.param(17, 8, "random", None, marks=SLOW),      # a 17-token verify: 136 pairs, 32-row blocks (default)
+    pytest.param(37, 2, "one_expert", 64, marks=SLOW),    # one expert gets every token: two 64-row blocks of it
+    pytest.param(32, 2, "few", None, marks=SLOW),         # two experts used: 4 of 11 blocks used, 7 skipped
+    pytest.param(20, 1, "few", 256, marks=SLOW),          # the largest row block, top-1
 ])
 def test_matches_reference(t, k, kind, block_m):
     ex = random_experts(0)
@@ -49,6 +52,7 @@ def test_matches_reference(t, k, kind, block_m):
 
 
 @pytest.mark.interpret
+@SLOW
 def test_bf16_activations_and_v6e_tiles():
     ex = random_experts(1, f=256)    # F = 256: whole 128-lane tiles, no padding of h
     idx, w = routing(3, 9, 2)
@@ -59,12 +63,14 @@ def test_bf16_activations_and_v6e_tiles():
 
 
 @pytest.mark.interpret
+@SLOW
 def test_padded_dims_from_compressed_tensors(fixtures_dir):
     ex, idx, w, x = padded_case(fixtures_dir)      # D 96, F 64: padded to 256 in the kernel layout (K tiles)
     check_close(tpu(x, idx, w, ex, interpret=True), int4_moe_reference(x, idx, w, ex))
 
 
 @pytest.mark.interpret
+@SLOW
 def test_k26_slice_matches_reference():
     """D = 7168, F = 256 (K2.6's expert width under TP-8), 4 experts, top-2 of 5 tokens: the gate/up kernel runs
     two K tiles of 3584 inputs (v5e tiles), down one K tile (all 256 inputs) and two 3584-column tiles."""
@@ -146,8 +152,9 @@ def compile_k26(target, e, f, tokens, k=8, d=7168) -> str:
 SHAPES = [(384, 256, 1), (384, 256, 17), (48, 2048, 17), (48, 2048, 512)]   # (E, F, tokens), top-8
 
 
+# The fast loop compiles one slice for v5e; the other generations and shapes run in the full suite.
 @pytest.mark.skipif(TPU_MISSING is not None, reason=str(TPU_MISSING))
-@pytest.mark.parametrize("target", list(KINDS))
+@pytest.mark.parametrize("target", [t if t == "v5e" else pytest.param(t, marks=SLOW) for t in KINDS])
 @pytest.mark.parametrize("e,f,tokens", [SHAPES[0]] + [pytest.param(*s, marks=pytest.mark.slow) for s in SHAPES[1:]])
 def test_compiles_for_tpu_k26_slice(target, e, f, tokens):
     """K2.6 slices: TP-8 (F = 256, all 384 experts) at decode and a 17-token verify, EP-8 (F = 2048, 48 experts)

@@ -55,8 +55,11 @@ def _generate_program(impl: str):
 @pytest.mark.compile
 @pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("impl,gpu_kernels", [("auto", True)] + [
-    pytest.param(*case, marks=pytest.mark.slow) for case in [("pallas", True), ("xla", False)]])
+# Slow, like every test of the embedded default (its generate program, ~25 s a case): the fast loop has "auto"
+# choosing the GPU kernels for an H200 in the K2.6 round (test_each_target_gets_its_kernels_in_a_k26_round
+# [h200-auto]) and the XLA path for the CPU (test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla).
+@pytest.mark.parametrize("impl,gpu_kernels", [pytest.param(*case, marks=pytest.mark.slow)
+                                              for case in [("auto", True), ("pallas", True), ("xla", False)]])
 def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
     lowered = _generate_program(impl)
     for_cpu = lowered(None).as_text()
@@ -133,9 +136,10 @@ def _kernel_calls(target: str, impl: str) -> tuple[int, int, int, int, int]:
 
 @pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("target,impl", [("h200", "auto"), ("rtx_pro_6000", "auto")] + [
+@pytest.mark.parametrize("target,impl", [("h200", "auto")] + [       # one in the fast loop
     pytest.param(*case, marks=pytest.mark.slow)
-    for case in [("h100", "auto"), ("b200", "auto"), ("h200", "mosaic"), ("h200", "pallas")]])
+    for case in [("rtx_pro_6000", "auto"), ("h100", "auto"), ("b200", "auto"), ("h200", "mosaic"),
+                 ("h200", "pallas")]])
 def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
     """ops/registry.py's preference, read from the lowered round (per MoE layer: the router's 2 Triton kernels and the
     placement's 1, then the experts' 2; per layer: the tree attention's kernel and its Triton merge; per drafter
@@ -150,7 +154,11 @@ def test_each_target_gets_its_kernels_in_a_k26_round(target, impl):
 
 @pytest.mark.compile
 @pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
-@pytest.mark.parametrize("target", ["v5e"] + [pytest.param(t, marks=pytest.mark.slow) for t in ("v6e", "v5p", "tpu7x")])
+# Slow (~35 s with libtpu's compile): the fast loop lowers the K2.6 round for a TPU slice (test_target_sweep.py's
+# test_round_for_a_tpu_slice), compiles both TPU kernels (test_int4_moe_tpu, test_tree_attention_tpu) and checks
+# the registry's TPU choices over the shape space (test_kernel_shapes).
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["v5e", "v6e", "v5p", "tpu7x"])
 def test_each_tpu_gets_its_kernels_in_a_k26_round(target):
     """The K2.6 round (3 layers, TP-8) lowered for an 8-device slice of each TPU generation under the default
     Runtime: per MoE layer the INT4 experts' two Pallas TPU kernels, per layer the tree attention's one; no GPU
@@ -163,6 +171,7 @@ def test_each_tpu_gets_its_kernels_in_a_k26_round(target):
 
 
 @pytest.mark.compile
+@pytest.mark.slow      # the embedded default's generate program (~15 s); fast: see test_each_tpu_gets_its_kernels_...
 @pytest.mark.skipif(not (TARGET / "kimi_config.json").exists(), reason="embedded default not built")
 @pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
 def test_the_embedded_generate_program_gets_tpu_kernels_on_a_tpu():
@@ -201,6 +210,7 @@ def test_mosaic_outside_a_gpu_lowering_is_refused_with_the_reason():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow      # fast: the same kernels in TPU interpret mode in test_int4_moe_tpu and test_tree_attention_tpu
 def test_tpu_kernels_in_interpret_mode_through_the_entry_points():
     """impl="tpu", interpret=True: the Pallas TPU kernels in TPU interpret mode on the CPU, with the XLA path's
     numbers (the kernels' own tests check them against the references over their shape space)."""

@@ -264,8 +264,9 @@ def test_int4_moe_and_router_compile_what_auto_picks(target, t, d, f, dtype):
 # and a prefill (XLA's), on every TPU generation
 TPU_ATTENTION = [(g, AttentionCall(tokens=t, heads=h, **{**K2, "page": page})) for g in TPUS
                  for t, h, page in [(17, 8, 0), (1, 4, 64)]] + [("v5e", AttentionCall(tokens=257, heads=1, **SHORT))]
-TPU_ATTENTION = [pytest.param(*sample, marks=() if i == 0 else pytest.mark.slow)         # one in the fast loop
-                 for i, sample in enumerate(TPU_ATTENTION)]
+# Slow (~10 s with libtpu); the fast loop compiles both TPU kernels in test_int4_moe_tpu and test_tree_attention_tpu,
+# and checks the registry's TPU choices over the shape space above.
+TPU_ATTENTION = [pytest.param(*sample, marks=pytest.mark.slow) for sample in TPU_ATTENTION]
 
 
 @pytest.mark.compile

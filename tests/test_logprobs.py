@@ -19,6 +19,9 @@ def model():
     return kimi_jax.load(str(DEFAULT_TARGET), drafter=str(DEFAULT_DRAFTER))
 
 
+# Slow: each case compiles its own generate program of the embedded default (~15-20 s on a 2-core VM). The fast
+# loop has logprobs in a batch's state (test_slot_buckets) and the prepared count (the test below).
+@pytest.mark.slow
 @pytest.mark.parametrize("method,budget,kw", [("ar", None, {}), ("ddtree", 8, {}),
                                               ("ddtree", 16, dict(temperature=1.0, seed=4, top_p=0.9,
                                                                   presence_penalty=0.5))])
@@ -37,6 +40,7 @@ def test_logprobs_are_the_plain_forwards(model, method, budget, kw):
         np.testing.assert_allclose([v for _, v in top], row[want], atol=2e-5)
 
 
+@pytest.mark.slow      # its own stream and generate programs (~50 s)
 def test_stream_reports_the_same_logprobs(model):
     *_, final = model.stream(PROMPT, 10, method="ddtree", budget=8, logprobs=2)
     want = model.generate(PROMPT, 10, method="ddtree", budget=8, logprobs=2)

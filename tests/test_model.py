@@ -134,6 +134,7 @@ def test_orbax_round_trip(tmp_path):
         checkpoint.save(str(tmp_path / "ck"), cfg, params)
 
 
+@pytest.mark.slow     # a long compile (the full K2.6 decode step); fast: 3-layer K2.6 rounds in test_kernel_selection
 def test_full_k26_abstract_and_aot_compile():
     """eval_shape of the full params and AOT compile of a one-token decode step, nothing allocated."""
     cfg = preset("kimi-k2.6")

@@ -58,6 +58,7 @@ def test_strategy_matches_one_device(strategy, params, reference):
     assert out == ref_tokens
 
 
+@pytest.mark.slow     # fast: the same count for K2.6's TP-8 forward, test_sweep's test_tp_allreduce_count_matches_...
 def test_tp_collectives_one_allreduce_per_block(params):
     """Under tp the compiled forward has 2 all-reduces per layer (attention, MoE/MLP) + 1 for the embedding."""
     mesh = part.make_mesh("tp=8")
@@ -160,7 +161,11 @@ def test_dcp_splits_the_cache_by_position_and_keeps_the_greedy_tokens(params, re
     assert kv.sharding.shard_shape(kv.shape)[2] == request.max_len // 8
 
 
-@pytest.mark.parametrize("strategy", ["tp", pytest.param("dp_attn", marks=pytest.mark.slow)])
+# Slow (~25 s: the one-device reference, then the sharded forward with the kernel interpreted); the fast loop has a
+# sharded forward's logits equal to one device's (test_convert's test_load_on_mesh_places_each_layer_on_its_shardings,
+# ep=4) and the tree kernel in test_tree_attention.
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["tp", "dp_attn"])
 def test_tree_kernel_on_local_heads_matches_one_device(strategy, params, reference):
     """The Pallas tree-attention kernel under a mesh runs in shard_map on each device's own heads
     (mla._tree_on_local_heads; interpret mode on this CPU): the logits of one device, to rounding. The op picks

@@ -76,6 +76,7 @@ def test_per_layer_greedy_tokens_equal_stacked(per_layer, stacked, method, budge
     assert got.stats["mean_tau"] == want.stats["mean_tau"]
 
 
+@pytest.mark.slow     # three more loads, one on a mesh (~10 s); fast: the rule's memory side, test_no_room_to_split_...
 def test_load_decides_by_own_buffers_for_the_weights_platform(stacked, monkeypatch):
     """No ``layers``: the embedded default (4 layers, one CPU) gets per-layer buffers, a mesh of CPUs keeps the
     stacks, and a mesh whose devices are GPUs gets per-layer buffers on the per-layer shardings."""
@@ -106,6 +107,7 @@ def test_hf_per_layer_load_equals_stacked(per_layer, stacked, tmp_path):
                         stacked.config)
 
 
+@pytest.mark.slow     # a save, two restores, two HF exports (~20 s); fast: the layered form's restore in test_convert
 def test_save_and_export_of_per_layer_params(per_layer, stacked, tmp_path):
     """A per-layer model saves as the layered form (no stacked copy made) that restores, either way, equal to the
     stacked load; its HF export is byte for byte the stacked model's."""

@@ -379,6 +379,7 @@ def test_ddtree_sampling_under_a_schema_is_lossless(name):
     assert stat < critical
 
 
+@pytest.mark.slow      # checks the chi-square harness itself (its power), not the library
 def test_the_chi_square_test_sees_a_missing_path_correction(monkeypatch):
     """The same test fails if every node took the row's history alone (no path correction): it has power."""
     monkeypatch.setattr(processors, "_path_penalties", lambda biased, penalised, *a: penalised)
@@ -445,7 +446,11 @@ def processed_ar(model):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("budget", [pytest.param(0, marks=pytest.mark.slow), 4, 32])
+# Slow with its fixture (two AR programs, then the oracle's DDTree ones: ~60 s on a 2-core VM). The fast loop has
+# the processors in the tree (test_ddtree_sampling_with_processors_is_lossless, test_each_node_is_processed_with_
+# its_own_path_as_history) and through generate (test_every_value_shares_one_program).
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0, 4, 32])
 def test_greedy_ddtree_equals_greedy_ar_with_penalties_and_logit_bias(processed_ar, budget):
     ar, oracle = processed_ar
     out = oracle.generate(PROMPTS, 20, method="ddtree", budget=budget, **SETTINGS)
@@ -506,6 +511,10 @@ def test_stream_carries_the_history_across_dispatches(model):
     assert last.tokens == want and len(chunks) > 1
 
 
+# Slow (a fresh model and its sampling programs, ~20-30 s each): the fast loop has a temperature per row in
+# test_each_processor_matches_hf_with_a_value_per_row[temperature], values per row through generate in
+# test_every_value_shares_one_program, DDTree sampling at a temperature in test_ddtree_sampling_with_processors_...
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_each_row_samples_at_its_own_temperature(monkeypatch, method):
     """Per-row temperatures in one program: a row's tokens do not depend on another row's temperature (the same

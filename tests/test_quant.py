@@ -145,7 +145,7 @@ def test_kernel_layout_roundtrip(k):
 # --- Int4Experts ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", EXPERT_SETS)
+@pytest.mark.parametrize("name", [pytest.param(EXPERT_SETS[0], marks=pytest.mark.slow), EXPERT_SETS[1]])  # fast: one
 def test_experts_from_compressed_tensors(fixtures_dir, name):
     a = hf_experts(fixtures_dir, name)
     ex = Int4Experts.from_compressed_tensors(*(a[k] for k in CT_KEYS))

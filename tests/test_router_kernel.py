@@ -44,7 +44,9 @@ def _check(x, w, bias, k, **kw):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("t", [1, 17, 64])
-@pytest.mark.parametrize("d,e,k", [(256, 64, 4), (512, 384, 8)])
+# K2.6's router width (384 experts, top-8) in the full suite; the fast loop interprets the small one and compiles
+# K2.6's (test_compiles_at_k26_shapes[h200-17]).
+@pytest.mark.parametrize("d,e,k", [(256, 64, 4), pytest.param(512, 384, 8, marks=pytest.mark.slow)])
 def test_kernel_matches_reference(t, d, e, k):
     _check(*_inputs(t, d, e, seed=t + e), k)
 

@@ -24,8 +24,11 @@ def model():
     return kimi_jax.load(str(TARGET), drafter=str(DRAFTER))
 
 
-@pytest.mark.parametrize("extra", [{}, dict(top_p=0.9, presence_penalty=0.5, logprobs=2,
-                                             response_format={"type": "json_object"})])
+# The fast loop runs the state with every per-row field (processors, automaton, logprobs); the plain one in the
+# full suite (its fields are a subset).
+@pytest.mark.parametrize("extra", [pytest.param({}, marks=pytest.mark.slow),
+                                   dict(top_p=0.9, presence_penalty=0.5, logprobs=2,
+                                        response_format={"type": "json_object"})])
 def test_regroup_moves_every_per_row_field_and_keeps_the_batch_fields(model, extra):
     """regroup(state, rows) == numpy's take of every per-row field along its batch axis, free slots done; with
     the processors, an automaton and logprobs too (each per-row leaf has the batch's 3 rows on its axis)."""

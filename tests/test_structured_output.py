@@ -10,7 +10,12 @@ import pytest
 
 from kimi_jax.cli.decode import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_TARGET / "kimi_config.json").exists(), reason="embedded default not built")
+# Slow: each test compiles its own programs of the embedded default (~20-50 s apiece on a 2-core VM). The fast loop
+# has the parts: the automaton's tables and walks (test_grammar), the tree under an automaton (test_constrained_tree),
+# DDTree sampling under a schema against AR's conditionals (test_processors' chi-square), an automaton in a batch's
+# state (test_slot_buckets).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DEFAULT_TARGET / "kimi_config.json").exists(),
+                                                   reason="embedded default not built")]
 
 # A schema whose every reply is short (bounded strings, an enum, a boolean): all replies finish within MAX_NEW.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "kind", "hidden"],

@@ -174,6 +174,7 @@ def test_nvlink_links_in_the_nvlink_gpu_specs():
 
 
 @pytest.mark.compile
+@pytest.mark.slow      # three TP-8 programs (~10 s); fast: test_real_compiler_trip_counts_and_graph_loops
 @needs_gpu
 def test_b300_all_reduces_stay_in_graphs_as_on_h200():
     repro = _b300_repro()

@@ -58,7 +58,7 @@ def check_all(q, qpe, kv, lengths, mask, scale=0.3, rtol=2e-5, **pallas_kw):
 @pytest.mark.interpret
 @pytest.mark.parametrize("t,lengths,splits", [
     (1, [0, 23, 69], 5),               # decode, one key block per split
-    (6, [0, 33, 67], None),            # chain: causal mask, default splits (2)
+    pytest.param(6, [0, 33, 67], None, marks=pytest.mark.slow),    # chain: causal mask, default splits (2)
 ])
 def test_causal(t, lengths, splits):
     q, qpe, kv = inputs(t, 3, t, 4, 32, 16, 70)

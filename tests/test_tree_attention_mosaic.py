@@ -83,6 +83,7 @@ def test_paged_whole_cache_at_a_layer():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow      # fast: a whole cache read at a layer by the paged test above
 def test_whole_contiguous_cache_at_a_layer_and_a_query_that_sees_nothing():
     """kv [layers, b, s, c] read at layer 2; row 1 has an empty prefix and its node 1 sees no key at all (outside
     the model's contract): zeros, as api.py promises, where the kernel itself would hold junk (no second where)."""
@@ -100,6 +101,7 @@ def test_whole_contiguous_cache_at_a_layer_and_a_query_that_sees_nothing():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow      # fast: one query and tree block (test_contiguous_causal, test_ddtree_mask_through_the_api)
 def test_wide_tree_two_query_and_tree_blocks():
     """70 nodes with random parents, one head: two query blocks and two tree key blocks (tree keys 64..69 in
     the second)."""
@@ -181,7 +183,7 @@ def check_ptxas(ptxas, smem):
 # and of value chunks; only constants change. Shared memory: 231,448 B (226.0 KiB) at every width.
 @pytest.mark.compile
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
-@pytest.mark.parametrize("width,page", [(1, 0), (65, 64)])
+@pytest.mark.parametrize("width,page", [(1, 0), pytest.param(65, 64, marks=pytest.mark.slow)])   # fast: one
 def test_compiles_for_h200_k26_slice(width, page, monkeypatch, capfd):
     check_ptxas(*compile_h200(width, page, 4096, capfd, monkeypatch))
 

@@ -22,6 +22,7 @@ from test_paged_cache import PAGE, paged_copy, within_storage
 from test_tree_attention import causal, inputs
 
 TPU_MISSING = targets.compiler_missing("v5e")
+SLOW = pytest.mark.slow
 R, PE = KIMI_K26.kv_lora_rank, KIMI_K26.qk_rope_head_dim
 
 tpu = jax.jit(latent_attention_tpu, static_argnames=("scale", "interpret", "block_q", "block_k", "num_splits",
@@ -48,11 +49,13 @@ def check(out, q, qpe, kv_rows, lengths, mask, scale, rtol=2e-5):
 # s = 70 is not a multiple of the 16-row key block (the last block runs past the cache; block_k None: the default
 # 512 covers it, one 70-row block); lengths: an empty prefix, mid-block, and one whose tree slots run past the
 # cache's end (kimi_jax.cache.visibility drops them)
+# The fast loop interprets the kernel once (the first case, ~6 s on a 2-core VM); the other shapes, the second mask
+# word, a paged cache, K2.6's widths and bf16 run in the full suite.
 @pytest.mark.interpret
 @pytest.mark.parametrize("t,h,lengths,block_k,splits", [
     (1, 1, [0, 23, 69], 16, 2),        # decode, one head a chip (TP-64)
-    (5, 4, [0, 33, 67], None, None),   # a 1 + 4-node tree, TP-16, the default block_k and splits
-    (17, 8, [0, 48, 60], 16, 3),       # TP-8, 136 query rows: a ragged last query block of 128 rows
+    pytest.param(5, 4, [0, 33, 67], None, None, marks=SLOW),   # a 1 + 4-node tree, TP-16, the default bk, splits
+    pytest.param(17, 8, [0, 48, 60], 16, 3, marks=SLOW),       # TP-8, 136 query rows: a ragged last query block
 ])
 def test_contiguous(t, h, lengths, block_k, splits):
     q, qpe, kv = inputs(t, 3, t, h, 32, 16, 70)
@@ -63,6 +66,7 @@ def test_contiguous(t, h, lengths, block_k, splits):
 
 
 @pytest.mark.interpret
+@SLOW
 def test_two_mask_words_and_layer():
     """t = 33 spans two 32-bit mask words (the second holds one node); the cache is [layers, b, s, c], read at
     layer 1 in place; bk = 32 over 100 slots."""
@@ -75,6 +79,7 @@ def test_two_mask_words_and_layer():
 
 
 @pytest.mark.interpret
+@SLOW      # fast: the paged kernel's lowering compiled by test_compiles_for_v5e_tp8_tree (pages of 64)
 @pytest.mark.parametrize("t,h,splits", [(1, 8, 2), (5, 4, None)])
 def test_paged(t, h, splits):
     """A shuffled page pool (garbage in its spare pages, unmapped table entries past each row's pages) at
@@ -90,6 +95,7 @@ def test_paged(t, h, splits):
 
 
 @pytest.mark.interpret
+@SLOW
 def test_k26_slice_bf16():
     """K2.6's latent 512 + 64, 8 heads (TP-8), t = 17, a bf16 cache of 384 slots in 3 splits of 128-row
     blocks, contiguous and paged (pages of 64: bk = 64)."""
@@ -106,6 +112,7 @@ def test_k26_slice_bf16():
 
 
 @pytest.mark.interpret
+@SLOW
 def test_chain_bf16_out_dtype():
     """A chain (causal mask), bf16 in and out (the output takes q's dtype by default), one split: the kernel
     normalises and writes bf16 itself."""
