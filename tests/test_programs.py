@@ -58,10 +58,13 @@ def test_servers_chunk_program_launches_rounds_as_generate_does():
         assert got["in_graphs"] == got["gpu_ops"]
     per_round = {name: {k: v for k, v in got["by_scope"].items() if k.split("/")[0] in ROUND_STAGES}
                  for name, got in counts.items()}
-    # every round stage as many GPU ops as generate's or one fewer (2026-12-06: 281 against 283 per round, one
-    # fewer in verify/attention/cache_write and in commit, XLA fusing the two programs' loops differently; the
-    # rest equal), so the server's rounds launch no more than generate's
+    # every round stage no more GPU ops than generate's, and the rounds within 5 of each other (2026-12-06: 281
+    # against 283 per round, one fewer in verify/attention/cache_write and in commit; 2026-12-07, the drafter's
+    # q/k/v packed: 241 against 245, draft/drafter 36 against 38; XLA fusing the two programs' loops
+    # differently), so the server's
+    # rounds launch no more than generate's and neither program lost a part of the round
     assert per_round["chunk"].keys() == per_round["generate"].keys()
     for stage, ops in per_round["generate"].items():
-        assert ops - 1 <= per_round["chunk"][stage] <= ops, stage
+        assert per_round["chunk"][stage] <= ops, (stage, per_round)
+    assert sum(per_round["generate"].values()) - sum(per_round["chunk"].values()) <= 5, per_round
     assert sum(per_round["chunk"].values()) > 100
