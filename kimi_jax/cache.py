@@ -75,7 +75,7 @@ def pool_size(capacities: np.ndarray, max_len: int, page_size: int) -> int:
     return -(-pages // 8) * 8
 
 
-def _locate(page_table, slots, batch: int, page_size: int, num_pages: int):
+def locate(page_table, slots, batch: int, page_size: int, num_pages: int):
     """(page, offset) [b, n] of logical slots [b, n]; page = num_pages (out of range) where unmapped."""
     if page_table is None:              # one page per row
         page_table = jnp.arange(batch, dtype=jnp.int32)[:, None]
@@ -89,14 +89,14 @@ def _locate(page_table, slots, batch: int, page_size: int, num_pages: int):
 def write(kv, page_table, layer, slots, rows):
     """The whole cache array kv [layers, ...] with rows [b, n, latent] stored at logical slots [b, n] of
     ``layer``; slots past a row's storage are dropped."""
-    page, off = _locate(page_table, slots, slots.shape[0], kv.shape[2], kv.shape[1])
+    page, off = locate(page_table, slots, slots.shape[0], kv.shape[2], kv.shape[1])
     return kv.at[layer, page, off].set(rows.astype(kv.dtype), mode="drop")
 
 
 def gather(kv_layer, page_table, slots):
     """Rows [b, n, latent] of one layer (kv_layer [pages_or_batch, ...]) at logical slots [b, n]; zeros where
     a slot has no storage."""
-    page, off = _locate(page_table, slots, slots.shape[0], kv_layer.shape[1], kv_layer.shape[0])
+    page, off = locate(page_table, slots, slots.shape[0], kv_layer.shape[1], kv_layer.shape[0])
     return kv_layer.at[page, off].get(mode="fill", fill_value=0)
 
 
@@ -119,8 +119,8 @@ def commit(cache: KVCache, path: jax.Array, path_len: jax.Array) -> KVCache:
     batch, width = path.shape
     page_size, num_pages = cache.kv.shape[2], cache.kv.shape[1]
     k = jnp.arange(width)[None, :]
-    src = _locate(cache.page_table, cache.lengths[:, None] + jnp.maximum(path, 0), batch, page_size, num_pages)
-    dst_page, dst_off = _locate(cache.page_table, cache.lengths[:, None] + k, batch, page_size, num_pages)
+    src = locate(cache.page_table, cache.lengths[:, None] + jnp.maximum(path, 0), batch, page_size, num_pages)
+    dst_page, dst_off = locate(cache.page_table, cache.lengths[:, None] + k, batch, page_size, num_pages)
     dst_page = jnp.where(k < path_len[:, None], dst_page, num_pages)              # out of range: dropped
     moved = cache.kv.at[:, src[0], src[1]].get(mode="fill", fill_value=0)        # [layers, batch, width, latent]
     kv = cache.kv.at[:, dst_page, dst_off].set(moved, mode="drop")

@@ -171,6 +171,18 @@ def shard_index(axes: tuple[str, ...], mesh: Mesh):
     return idx
 
 
+def mlp_split(mesh: Mesh, strategy: str | Strategy | None, width: str | None = "mlp") -> dict:
+    """How an MLP of hidden width ``width`` (a logical axis, or None: not split) runs in ``jax.shard_map`` on
+    ``mesh`` (``model.layers.residual_swiglu``'s arguments): ``mlp_axes`` its width is split over and the
+    ``rows_spec`` of its rows, split as "batch" unless the batch shares a mesh axis with the width (dp_attn splits
+    both over "dp": the rows are then gathered, as the partitioner gathers them)."""
+    st = get_strategy(strategy or infer_strategy(mesh))
+    mlp_axes = st.mesh_axes(width, mesh)
+    batch = st.mesh_axes("batch", mesh)
+    rows = P() if set(batch) & set(mlp_axes) else logical_to_spec(("batch", None, None), mesh, st)
+    return dict(mesh=mesh, mlp_axes=mlp_axes, rows_spec=rows)
+
+
 def logical_to_spec(axes, mesh: Mesh, strategy: str | Strategy) -> P:
     """Logical axis names (None = unnamed) -> PartitionSpec; a mesh axis may be used once per array."""
     st = get_strategy(strategy)

@@ -10,9 +10,10 @@ from safetensors import safe_open
 
 from kimi_jax.ops.int4_format import Int4Experts
 from kimi_jax.ops.int4_moe.api import int4_moe
-from kimi_jax.ops.int4_moe.pallas_triton import PALLAS_BLOCK_M, PLACE_MAX_PAIRS, place_pallas
+from kimi_jax.ops.int4_moe.pallas_triton import (PALLAS_BLOCK_M, PLACE_COLS, PLACE_MAX_PAIRS, place_pallas,
+                                                place_rows_pallas)
 from kimi_jax.ops.int4_moe.reference import int4_moe_reference
-from kimi_jax.ops.int4_moe.routing import num_blocks, sort_by_expert
+from kimi_jax.ops.int4_moe.routing import gather_rows, num_blocks, sort_by_expert
 
 E, D, F = 8, 256, 64
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -120,6 +121,28 @@ def test_placement_kernel_places_pairs_as_sorting_does(bm):
         place_pallas(jnp.zeros((PLACE_MAX_PAIRS + 1, 1), jnp.int32), bm, 1, interpret=True)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("bm", [8, pytest.param(64, marks=pytest.mark.slow)])
+def test_placement_kernel_gathers_the_rows_it_places(bm):
+    """place_rows_pallas (interpret mode): the sort's placement and XLA's gather of scale * x, exactly (padding rows
+    zeros), for a verify's 136 pairs over 384 experts, one decode token, and a repeated expert; two column tiles."""
+    rng = np.random.default_rng(bm)
+    d = 2 * PLACE_COLS
+    for idx, e in [(rng.integers(0, 384, (17, 8)), 384), (rng.integers(0, 384, (1, 8)), 384),
+                   (np.where(rng.random((9, 4)) < 0.6, 0, rng.integers(0, E, (9, 4))), E)]:
+        idx = jnp.asarray(idx, jnp.int32)
+        x = jnp.asarray(rng.standard_normal((idx.shape[0], d)), jnp.bfloat16)
+        scale = jnp.asarray(rng.uniform(0.5, 2, d), jnp.bfloat16)
+        routing, xs = place_rows_pallas(idx, x, scale, bm, num_blocks(idx.size, e, bm), interpret=True)
+        want = sort_by_expert(idx, e, bm, "sort")
+        for name, got_field, want_field in zip(want._fields, routing, want):
+            np.testing.assert_array_equal(np.asarray(got_field), np.asarray(want_field), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(xs, np.float32),
+                                      np.asarray(gather_rows(scale * x, want, idx.shape[1], d), np.float32))
+    with pytest.raises(ValueError, match="multiple of"):
+        place_rows_pallas(idx, x[:, :100], scale[:100], bm, 4, interpret=True)
+
+
 # --- numerics ---------------------------------------------------------------------------------------------------
 
 
@@ -144,6 +167,28 @@ def test_int4_moe_matches_reference(t, k, kind):
     check_close(y_pallas, y_xla)
     if kind == "one_expert":    # 64-row blocks: the prefill-width tiles (8-warp down, 32-column gate/up)
         check_close(moe(x, idx, w, ex, impl="pallas", block_m=64), ref)
+
+
+@pytest.mark.interpret
+def test_int4_moe_scale_multiplies_the_rows_every_impl_reads():
+    """``scale`` (the MoE norm's weight, which the GPU kernels apply to the rows they gather: Triton's gate/up
+    kernel, Mosaic GPU's placement kernel) equals passing ``scale * x`` rounded to bf16, on every implementation."""
+    from kimi_jax.ops.int4_moe.mosaic_gpu import int4_moe_mosaic
+
+    ex = random_experts(2)
+    idx, w = routing(5, 7, 2)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(7, D)), jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, D), jnp.bfloat16)
+    want = int4_moe_reference((scale * x).astype(jnp.float32), idx, w, ex)
+    for impl in ("xla", "pallas"):
+        got = moe(x, idx, w, ex, impl=impl, interpret=True, scale=scale)
+        check_close(got, moe(scale * x, idx, w, ex, impl=impl, interpret=True), rtol=1e-6)
+        check_close(got, want, rtol=2e-2)
+    got = jax.jit(lambda *a: int4_moe_mosaic(*a, interpret=True, scale=scale))(x, idx, w, ex)
+    check_close(got, want, rtol=2e-2)
+    with pytest.raises(ValueError, match="scale must be"):
+        int4_moe(x, idx, w, ex, scale=scale[:-1])
 
 
 def padded_case(fixtures_dir):

@@ -40,7 +40,7 @@ def decide(op, call, lowering: Lowering) -> str:
     assert op.refusal(name, call, lowering) is None
     ranked = [n for n in registry.preference(lowering) if n in {i.name for i in op.implementations}]
     for better in ranked[:ranked.index(name)]:
-        reason = op.refusal(better, call, lowering)
+        reason = op.auto_refusal(better, call, lowering)
         assert isinstance(reason, str) and reason, (better, call)
     return name
 

@@ -159,16 +159,18 @@ def compile_on(target, fn, *args):
     return lowered.compile(targets.compiler_options(target)).as_text()
 
 
-def int4_moe_hlo(target, strategy, tokens):
+def int4_moe_hlo(target, strategy, tokens, scaled=True):
+    """``scaled``: with the MoE norm's weight, as the model calls it (the gate/up kernel multiplies its rows)."""
     from kimi_jax.ops.int4_moe.api import int4_moe
 
     k, d = KIMI_K26.num_experts_per_tok, KIMI_K26.hidden_size
     experts = k26_experts_slice(strategy)
     assert experts.w13[0][-1] == (KIMI_K26.moe_intermediate_size // TP if strategy == "tp"
                                   else KIMI_K26.moe_intermediate_size)
-    fn = functools.partial(int4_moe, impl="pallas", interpret=False)
+    def fn(x, idx, w, experts, scale):
+        return int4_moe(x, idx, w, experts, impl="pallas", interpret=False, scale=scale if scaled else None)
     return compile_on(target, fn, ((tokens, d), jnp.bfloat16), ((tokens, k), jnp.int32),
-                      ((tokens, k), jnp.float32), experts)
+                      ((tokens, k), jnp.float32), experts, ((d,), jnp.bfloat16))
 
 
 def tree_attention_hlo(target, page, width, slots=4096):
@@ -222,7 +224,10 @@ def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
     the INT4 gate/up kernel spills registers there (since it gathers its own rows of x it runs 8 warps on every
     GPU, as it spills at 4 on H200 too; the entry still gives the down kernel 8 warps, as before), and the tree
     kernel's 32-query blocks take 112 KiB of shared memory where the device allows 99 KiB a block (its spec's
-    shared_memory_per_block_optin). When this fails, the default tiles fit: drop the entries."""
+    shared_memory_per_block_optin). When this fails, the default tiles fit: drop the entries. The spill is the
+    unscaled gate/up kernel's (int4_moe without ``scale``): the model's, which multiplies the rows it gathers by
+    the MoE norm's weight, compiles spill-free at 4 warps there and on H200 (deviceless, 2026-12-07; its warps
+    stay 8 until a GPU times both)."""
     from kimi_jax.ops.int4_moe import pallas_triton as moe_kernel
     from kimi_jax.ops.tree_attention import pallas_triton as tree_kernel
 
@@ -233,7 +238,7 @@ def test_rtx_pro_6000_needs_its_own_tiles(monkeypatch):
     monkeypatch.setattr(moe_kernel, "TILES", {"": moe_kernel.Tiles(num_warps_gate_up=4)})
     monkeypatch.setattr(tree_kernel, "TILES", {"": tree_kernel.Tiles()})
     with pytest.raises(Exception, match="register spilling"):
-        int4_moe_hlo("rtx_pro_6000", "tp", 8)
+        int4_moe_hlo("rtx_pro_6000", "tp", 8, scaled=False)
     with pytest.raises(Exception, match="Shared memory size limit exceeded: requested 114688, available: 101376"):
         tree_attention_hlo("rtx_pro_6000", 0, 17)
 

@@ -33,7 +33,8 @@ import numpy as np
 from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime, rope_fields, yarn_mscale
 from kimi_jax.model.compute_layout import own_buffers, program_platform, split_stacks
-from kimi_jax.model.layers import apply_rope_half, rms_norm, run_layers, swiglu, yarn_frequencies
+from kimi_jax.model.layers import apply_rope_half, residual_swiglu, run_layers, yarn_frequencies
+from kimi_jax.ops.numerics import rms_norm
 from kimi_jax.ops.drafter_attention.api import attend
 
 CONFIG_FILE = "drafter_config.json"
@@ -433,6 +434,7 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
     # Per-layer buffers (GPUs) loop in Python: each layer's attention reads its context rows from the whole cache
     # in place (a slice of it would be copied into a buffer of its own for the kernel). A scan steps through them.
     split = isinstance(p["layers"], tuple)
+    mlp = _mlp_split(c, rt)
 
     def layer(x, xs):
         lp, (ctx_at, causal, window) = xs        # a layer index (split), or the layer's context rows
@@ -445,12 +447,23 @@ def block_hidden(p, c: DrafterConfig, target_params, block, positions, ctx_k, ct
         o = _attention(qkv, visible, *keys, rt)
         x = x + jnp.einsum("bthk,hkd->btd", o, lp["o"])
         h = rms_norm(x, lp["post_norm"], c.rms_norm_eps)
-        return x + swiglu(h, lp["gate"], lp["up"], lp["down"]), None
+        return residual_swiglu(x, h, lp["gate"], lp["up"], lp["down"], **mlp), None
 
     xs = (np.arange(c.num_hidden_layers) if split else (ctx_k, ctx_v), jnp.asarray(c.causal),
           jnp.asarray(c.window, jnp.int32))
     x, _ = run_layers(layer, x, p["layers"], xs)
     return rms_norm(x, p["norm"], c.rms_norm_eps)
+
+
+def _mlp_split(c: DrafterConfig, rt: Runtime | None) -> dict:
+    """``residual_swiglu``'s arguments for the drafter's MLP: the MoE's impl (``Runtime.moe_impl``: the SwiGLU op's
+    kernel on a GPU) and, under ``rt.mesh``, its width split where the weights' is (``split_axes``)."""
+    if rt is None:
+        return {}
+    if rt.mesh is None or rt.mesh.size == 1:
+        return dict(impl=rt.moe_impl)
+    width = "mlp" if "mlp" in split_axes(rt.mesh, rt.strategy, 1, 1, c.intermediate_size) else None
+    return dict(impl=rt.moe_impl, **sharding.mlp_split(rt.mesh, rt.strategy, width))
 
 
 def _normed_qkv(qkv, norm, c: DrafterConfig, positions, inv_freq):

@@ -1,5 +1,7 @@
-"""Small building blocks of the K2 decoder: RMSNorm, YaRN RoPE (DeepSeek pair rotation), SwiGLU, and the
-loop over a stack of layers (stacked, or per-layer buffers: ``kimi_jax.model.compute_layout``)."""
+"""Small building blocks of the K2 decoder: YaRN RoPE frequencies, the NeoX rotation (the drafter's), the SwiGLU
+MLP with its residual (on one device or split over a mesh), and the loop over a stack of layers (stacked, or
+per-layer buffers: ``kimi_jax.model.compute_layout``). RMSNorm and the DeepSeek pair rotation live in
+``kimi_jax.ops.numerics``: the kernels' references read them too."""
 
 from __future__ import annotations
 
@@ -7,19 +9,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kimi_jax.config import ModelConfig
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Variance in float32, cast back to the input dtype, then scale (the HF order of operations)."""
-    return weight * rms_normalize(x, eps)
-
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``rms_norm`` before its weight: x / rms(x), in x's dtype."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+from kimi_jax.ops.swiglu.api import swiglu
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -52,21 +45,6 @@ def yarn_frequencies(dim: int, theta: float, factor: float, original_max: int, b
     return inter * (1.0 - extrapolate) + extra * extrapolate
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by positions * inv_freq[i] (DeepSeek / GPT-J layout).
-
-    x: [..., T, (heads,) rope_dim] with positions [..., T]. Angles are float32 whatever the input dtype.
-    """
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq          # [..., T, d/2]
-    if x.ndim == angles.ndim + 1:                                          # a heads axis sits before rope_dim
-        angles = angles[..., None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
-
-
 def apply_rope_half(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """NeoX / Qwen3 layout: rotate (x[i], x[i + d/2]) by positions * inv_freq[i]; cos/sin multiplied by scale.
 
@@ -79,9 +57,25 @@ def apply_rope_half(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, sca
     return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)); weights are input-major ([in, out])."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+def residual_swiglu(x, h, gate, up, down, *, impl: str = "auto", mesh=None, mlp_axes: tuple = (),
+                    rows_spec=None):
+    """x + down(silu(h @ gate) * (h @ up)) (weights input-major), the SwiGLU through ``kimi_jax.ops.swiglu`` (on a
+    GPU at decode widths a split-K GEMM and one kernel). Under ``mesh`` the SwiGLU runs in ``jax.shard_map``: each
+    device on its slice of the hidden width (split over ``mlp_axes``; none: whole) and its rows (``rows_spec``,
+    the PartitionSpec of h), then one psum over ``mlp_axes`` (a Pallas call is opaque to the partitioner, which
+    would gather the weights onto every device). The residual is added after the psum, where XLA fuses the add
+    into the next norm's kernel (added before it, on one device, it was a kernel of its own: the kernel's output
+    cannot take it)."""
+    def local(h, gate, up, down):
+        y = swiglu(h, gate, up, down, impl=impl)
+        return jax.lax.psum(y, mlp_axes) if mlp_axes else y
+
+    if mesh is None or mesh.size == 1:
+        return x + swiglu(h, gate, up, down, impl=impl)
+    rows = rows_spec if rows_spec is not None else P()
+    split = mlp_axes or None
+    return x + jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
+                             in_specs=(rows, P(None, split), P(None, split), P(split, None)))(h, gate, up, down)
 
 
 def layer_at(layers, i: int):

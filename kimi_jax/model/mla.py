@@ -16,33 +16,53 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from kimi_jax import cache as cache_lib
 from kimi_jax import sharding
 from kimi_jax.cache import rows_view
 from kimi_jax.config import ModelConfig, Runtime
-from kimi_jax.model.layers import apply_rope, rms_norm
-from kimi_jax.ops.numerics import MASK_VALUE
+from kimi_jax.ops.latent import api as latent_op
+from kimi_jax.ops.numerics import MASK_VALUE, apply_rope
 from kimi_jax.ops.tree_attention.api import latent_attention
 
 
-def queries(x, p, cfg: ModelConfig, positions, inv_freq):
-    """q_nope [b,t,h,n] and rotated q_pe [b,t,h,p]."""
+def latent_projection(x, norm, p, cfg: ModelConfig, positions, inv_freq, rt: Runtime, kv, page_table, layer, slots):
+    """(cq [b,t,q], the whole cache kv with the new tokens' rows written at ``slots`` [b,t] of ``layer``) from a
+    layer's input rows x [b,t,d] before the attention's RMSNorm (weight ``norm``): the op ``kimi_jax.ops.latent``
+    (on a GPU at decode and verify widths one split-K GEMM and one kernel for the norms, the latent norms, the
+    key's RoPE and the cache write). Under ``rt.mesh`` each device projects its own rows into its own cache
+    rows (the weights are replicated in every strategy; a Pallas call is opaque to the partitioner); a cache split
+    by position (dcp) is written by XLA's partitioned scatter."""
+    def local(x, norm, q_a, kv_a, q_a_norm, kv_a_norm, positions, inv_freq, cache):
+        return latent_op.latent_projection(x, norm, q_a, kv_a, q_a_norm, kv_a_norm, positions, inv_freq, cache,
+                                           eps=cfg.rms_norm_eps, latent_eps=cfg.latent_norm_eps, impl=rt.attn_impl)
+
+    weights = (norm, p["q_a"], p["kv_a"], p["q_a_norm"], p["kv_a_norm"])
+    if rt.mesh is None or rt.mesh.size == 1:
+        return local(x, *weights, positions, inv_freq, (kv, page_table, layer, slots))
+    st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
+    spec = lambda *axes: sharding.logical_to_spec(axes, rt.mesh, st)  # noqa: E731
+    rows, pos = spec("batch", None, None), spec("batch", None)
+    if st.mesh_axes("slots", rt.mesh):
+        cq, new_rows = jax.shard_map(lambda *a: local(*a, None), mesh=rt.mesh, out_specs=(rows, rows),
+                                     in_specs=(rows, *[P()] * 5, pos, P()), check_vma=False)(
+                                         x, *weights, positions, inv_freq)
+        with jax.named_scope("cache_write"):
+            return cq, cache_lib.write(kv, page_table, layer, slots, new_rows)
+    kv_spec = spec("layers", "batch", "slots", "latent")
+    return jax.shard_map(lambda *a: local(*a[:8], (a[8], None, a[9], a[10])), mesh=rt.mesh,
+                         out_specs=(rows, kv_spec), check_vma=False,
+                         in_specs=(rows, *[P()] * 5, pos, P(), kv_spec, P(), pos))(
+                             x, *weights, positions, inv_freq, kv, jnp.asarray(layer, jnp.int32), slots)
+
+
+def queries(cq, p, cfg: ModelConfig, positions, inv_freq):
+    """q_nope [b,t,h,n] and rotated q_pe [b,t,h,p] from the query latent cq [b,t,q] (``latent_projection``)."""
     with jax.named_scope("qkv_proj"):
-        cq = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.latent_norm_eps)
         q = jnp.einsum("btq,qhk->bthk", cq, p["q_b"])
     q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-    with jax.named_scope("rope"):
-        return q_nope, apply_rope(q_pe, positions, inv_freq)
-
-
-def latent_rows(x, p, cfg: ModelConfig, positions, inv_freq):
-    """The cache rows of new tokens: [normalised c_kv ‖ rotated k_pe], shape [b, t, r + p]."""
-    with jax.named_scope("qkv_proj"):
-        a = x @ p["kv_a"]
-        c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.latent_norm_eps)
-    with jax.named_scope("rope"):
-        k_pe = apply_rope(a[..., cfg.kv_lora_rank:], positions, inv_freq)
-    return jnp.concatenate([c_kv, k_pe], axis=-1)
+    return q_nope, apply_rope(q_pe, positions, inv_freq)
 
 
 def _softmax(scores, visible):
@@ -63,58 +83,63 @@ def attend_absorbed(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)                 # W_UV applied after attention
 
 
-def attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str, layer=None,
-                partitioned: bool = False):
-    """attend_absorbed with visibility given as (committed lengths, new-token mask): the tree-attention op
-    (kimi_jax.ops.tree_attention.api) between W_UK and W_UV, whose kernels stream the prefix (of a paged cache: the
+def attend_tree(cq, positions, inv_freq, kv, page_table, lengths, new_mask, p, cfg: ModelConfig, impl: str,
+                layer=None, partitioned: bool = False):
+    """attend_absorbed from the query latent cq with visibility given as (committed lengths, new-token mask): the
+    absorbed queries (``kimi_jax.ops.latent``: q_b, RoPE and W_UK, on a GPU one split-K GEMM and one kernel) and
+    the tree-attention op (kimi_jax.ops.tree_attention.api), whose kernels stream the prefix (of a paged cache: the
     row's own pages) without a dense [b, t, s] mask. ``partitioned``: left to XLA's partitioner (the op's rules
     then refuse what it cannot partition)."""
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, p["kv_b"][..., :cfg.qk_nope_head_dim])
+    with jax.named_scope("qkv_proj"):
+        q_lat, q_pe = latent_op.absorbed_queries(cq, p["q_b"], p["kv_b"], positions, inv_freq, impl=impl)
     # W_UV (kv_b's columns after the nope ones) is applied by the op: in its merge kernel on GPUs
     return latent_attention(q_lat, q_pe, kv, lengths, new_mask, cfg.softmax_scale, impl=impl, out_dtype=kv.dtype,
                             page_table=page_table, layer=layer, partitioned=partitioned, w_uv=p["kv_b"],
                             w_uv_from=cfg.qk_nope_head_dim)
 
 
-def attend(q_nope, q_pe, kv, page_table, visible, lengths, new_mask, p, cfg: ModelConfig, *, form: str, impl: str,
-           rt: Runtime | None = None, layer=None):
-    """The model's one attention call over one layer's cache storage kv (page_table: kimi_jax.cache), or with
-    ``layer`` over layer ``layer`` of the whole cache kv [layers, ...] (the kernels read it there in place).
-    form="full": expanded per-head K/V over the dense ``visible`` mask (training, the reference);
-    form="absorbed": MQA over the latent rows through the tree-attention op, whose ``impl`` resolves per call and
-    lowering platform (kimi_jax.ops.registry: the kernels at tree widths on a GPU, XLA for prefills and
-    elsewhere). Under ``rt.mesh`` each device attends with its own heads (``_tree_on_local_heads``)."""
+def attend(cq, kv, page_table, visible, lengths, new_mask, positions, inv_freq, p, cfg: ModelConfig, *, form: str,
+           impl: str, rt: Runtime | None = None, layer=None):
+    """The model's one attention call, from the query latent cq [b, t, q] (``latent_projection``), over one layer's
+    cache storage kv (page_table: kimi_jax.cache), or with ``layer`` over layer ``layer`` of the whole cache kv
+    [layers, ...] (the kernels read it there in place).
+    form="full": per-head queries, expanded per-head K/V over the dense ``visible`` mask (training, the reference);
+    form="absorbed": absorbed queries and MQA over the latent rows through the tree-attention op, whose ``impl``
+    resolves per call and lowering platform (kimi_jax.ops.registry: the kernels at tree widths on a GPU, XLA for
+    prefills and elsewhere). Under ``rt.mesh`` each device attends with its own heads (``_tree_on_local_heads``)."""
     if form not in ("absorbed", "full"):
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
     if form == "full":
+        q_nope, q_pe = queries(cq, p, cfg, positions, inv_freq)
         return attend_full(q_nope, q_pe, rows_view(kv if layer is None else kv[layer], page_table), visible, p, cfg)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     if rt is not None and rt.mesh is not None:
-        return _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, p["kv_b"], cfg, rt, impl, layer)
-    return attend_tree(q_nope, q_pe, kv, page_table, lengths, new_mask, p, cfg, impl, layer)
+        return _tree_on_local_heads(cq, positions, inv_freq, kv, lengths, new_mask, p, cfg, rt, impl, layer)
+    return attend_tree(cq, positions, inv_freq, kv, page_table, lengths, new_mask, p, cfg, impl, layer)
 
 
-def _tree_on_local_heads(q_nope, q_pe, kv, lengths, new_mask, kv_b, cfg: ModelConfig, rt: Runtime, impl: str,
-                         layer=None):
+def _tree_on_local_heads(cq, positions, inv_freq, kv, lengths, new_mask, p, cfg: ModelConfig, rt: Runtime,
+                         impl: str, layer=None):
     """attend_tree in ``jax.shard_map`` over ``rt.mesh``, each device on its own heads (and batch rows): a
     Pallas call is opaque to the SPMD partitioner, which otherwise gathers every head onto every device and runs
     the whole kernel on each (compiled for 8 H200s at TP-8: an all-gather per layer and 8x the attention work).
     A strategy that splits the cache by position (dcp) keeps the partitioner's form: its per-device partial
     softmaxes would need merging across devices."""
-    def local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer, partitioned=False):
-        return attend_tree(q_nope, q_pe, kv, None, lengths, new_mask, {"kv_b": kv_b}, cfg, impl, layer, partitioned)
+    def local(cq, positions, inv_freq, kv, lengths, new_mask, q_b, kv_b, layer, partitioned=False):
+        return attend_tree(cq, positions, inv_freq, kv, None, lengths, new_mask, {"q_b": q_b, "kv_b": kv_b}, cfg,
+                           impl, layer, partitioned)
 
+    args = (cq, positions, inv_freq, kv, lengths, new_mask, p["q_b"], p["kv_b"], layer)
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh))
     if st.mesh_axes("slots", rt.mesh):
-        return local(q_nope, q_pe, kv, lengths, new_mask, kv_b, layer, partitioned=True)
+        return local(*args, partitioned=True)
     spec = lambda *axes: sharding.logical_to_spec(axes, rt.mesh, st)  # noqa: E731
-    per_head = spec("batch", None, "heads", None)
     kv_axes = ("batch", "slots", "latent") if layer is None else ("layers", "batch", "slots", "latent")
-    return jax.shard_map(local, mesh=rt.mesh, out_specs=per_head, check_vma=False, in_specs=(
-        per_head, per_head, spec(*kv_axes), spec("batch"), spec("batch", None, None),
-        spec("kv_lora", "heads", "head_dim"), None if layer is None else spec()))(
-            q_nope, q_pe, kv, lengths, new_mask, kv_b, layer)
+    return jax.shard_map(local, mesh=rt.mesh, out_specs=spec("batch", None, "heads", None), check_vma=False,
+                         in_specs=(spec("batch", None, None), spec("batch", None), P(), spec(*kv_axes), spec("batch"),
+                                   spec("batch", None, None), spec("q_lora", "heads", "head_dim"),
+                                   spec("kv_lora", "heads", "head_dim"), None if layer is None else spec()))(*args)
 
 
 def attend_full(q_nope, q_pe, kv, visible, p, cfg: ModelConfig):

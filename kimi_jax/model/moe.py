@@ -13,8 +13,9 @@ Routed experts are computed behind one function, ``routed_experts``: float exper
 
 With ``Runtime.mesh`` set, routing stays replicated (GSPMD) and the experts plus the shared expert run in one
 ``jax.shard_map``: every device computes its local experts (EP: ids held elsewhere get weight 0) on its slice of
-the expert intermediate (TP) plus its slice of the shared expert, then one ``psum`` over the sharded axes, i.e.
-one all-reduce per MoE block under ``tp``. The strategy's logical-axis rules live in ``kimi_jax.sharding``.
+the expert intermediate (TP) plus its slice of the shared expert (``ops.swiglu``: on a GPU a split-K GEMM and one
+kernel), then one ``psum`` over the sharded axes, i.e. one all-reduce per MoE block under ``tp``, which also adds
+the layer's residual. The strategy's logical-axis rules live in ``kimi_jax.sharding``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from jax.sharding import PartitionSpec as P
 from kimi_jax import sharding
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model.compute_layout import DenseExperts
-from kimi_jax.model.layers import swiglu
 from kimi_jax.model.params import layer_specs
 from kimi_jax.ops.int4_moe.api import int4_moe
 from kimi_jax.ops.router import api as router_api
 from kimi_jax.ops.router import reference as router_ref
+from kimi_jax.ops.swiglu.api import swiglu
 
 
 def route(x, router, bias, cfg: ModelConfig, impl: str = "auto", scale=None):
@@ -67,15 +68,15 @@ def float_routed_experts(x, ids, weights, experts):
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), weights)
 
 
-def _routed_f32(x, ids, weights, experts, rt: Runtime):
+def _routed_f32(x, ids, weights, experts, rt: Runtime, scale=None):
     if isinstance(experts, (dict, DenseExperts)):
-        return float_routed_experts(x, ids, weights, experts)
-    return int4_moe(x, ids, weights, experts, impl=rt.moe_impl).astype(jnp.float32)
+        return float_routed_experts(x if scale is None else scale * x, ids, weights, experts)
+    return int4_moe(x, ids, weights, experts, impl=rt.moe_impl, scale=scale).astype(jnp.float32)
 
 
-def routed_experts(x, ids, weights, experts, rt: Runtime = Runtime()):
-    """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [n, d]."""
-    return _routed_f32(x, ids, weights, experts, rt).astype(x.dtype)
+def routed_experts(x, ids, weights, experts, rt: Runtime = Runtime(), scale=None):
+    """sum_k weights[:, k] * expert_{ids[:, k]}(scale * x) for x [n, d] (``scale`` [d] or None)."""
+    return _routed_f32(x, ids, weights, experts, rt, scale).astype(x.dtype)
 
 
 def expert_loads(ids, num_experts: int):
@@ -83,28 +84,31 @@ def expert_loads(ids, num_experts: int):
     return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
 
 
-def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime(), scale=None):
-    """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E]) of ``scale * x``.
+def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime(), scale=None, residual=None):
+    """x [..., d] -> (routed experts + shared expert [..., d], expert loads [E]) of ``scale * x``, plus
+    ``residual`` [..., d] where given (the layer's residual stream: on a mesh it joins the experts' all-reduce,
+    ``_sharded_experts``, so the sum is not a kernel of its own).
 
-    ``scale`` [d]: the MoE's RMSNorm weight, with x the normalised rows before it (``layers.rms_normalize``). The
-    router kernel multiplies the rows it reads and XLA fuses the product into the shared expert's GEMM and the
-    experts' row gather, so on a GPU the weighted rows are not a kernel of their own (docs/gpu_overhead.md)."""
+    ``scale`` [d]: the MoE's RMSNorm weight, with x the normalised rows before it (``numerics.rms_normalize``). The
+    router kernel multiplies the rows it reads, XLA fuses the product into the shared expert's GEMM, and the
+    routed experts take it with the rows (``int4_moe``'s ``scale``: the Mosaic GPU path's placement kernel, which
+    gathers their rows, multiplies them), so on a GPU the weighted rows are not a kernel of their own
+    (docs/gpu_overhead.md)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     with jax.named_scope("router"):
         ids, weights = route(flat, p["router"], p["router_bias"], cfg, rt.moe_impl, scale)
         loads = expert_loads(ids, cfg.n_routed_experts)
-    if scale is not None:
-        flat = scale * flat
+    res = None if residual is None else residual.reshape(flat.shape)
     if rt.mesh is not None and rt.mesh.size > 1:
-        y = _sharded_experts(flat, ids, weights, p, cfg, rt)
+        y = _sharded_experts(flat, scale, ids, weights, p, cfg, rt, res)
     else:
         s = p["shared"]
         with jax.named_scope("experts"):
-            routed = routed_experts(flat, ids, weights, p["experts"], rt)
+            routed = routed_experts(flat, ids, weights, p["experts"], rt, scale)
         with jax.named_scope("shared_expert"):
-            shared = swiglu(flat, s["gate"], s["up"], s["down"])
-        y = routed + shared
+            shared = swiglu(flat if scale is None else scale * flat, s["gate"], s["up"], s["down"], impl=rt.moe_impl)
+        y = routed + shared if res is None else res + (routed + shared)
     return y.reshape(shape), loads
 
 
@@ -126,8 +130,13 @@ def _per_layer_specs(cfg: ModelConfig, mesh, st: sharding.Strategy):
     return spec(moe["experts"]), spec(moe["shared"])
 
 
-def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
-    """Routed + shared experts of x [n, d] (replicated) under rt.mesh -> [n, d] replicated."""
+def _sharded_experts(x, scale, ids, weights, p, cfg: ModelConfig, rt: Runtime, residual=None):
+    """Routed + shared experts of scale * x [n, d] (replicated; scale [d] or None) under rt.mesh -> [n, d]
+    replicated, plus ``residual``
+    (replicated, or None). The residual goes into the psum from the first device of the summed axes: the all-reduce
+    then returns the layer's output, where adding it after the all-reduce is one more GPU kernel per MoE layer
+    (its own loop fusion: nothing before the next layer's norm can take it). The sum's rounding differs from
+    ``residual + psum(y)`` by where bfloat16 rounds, not more."""
     mesh = rt.mesh
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(mesh))
     ex_specs, sh_specs = _per_layer_specs(cfg, mesh, st)
@@ -137,25 +146,31 @@ def _sharded_experts(x, ids, weights, p, cfg: ModelConfig, rt: Runtime):
     with_shared = set(st.mesh_axes("mlp", mesh)) == set(sum_axes)
     shared = p["shared"]
 
-    def body(x, ids, weights, experts, shared):
+    def body(x, scale, ids, weights, experts, shared, residual):
         with jax.named_scope("experts"):
             if ep_axes:
                 n_local = _num_experts(experts)
                 lo = sharding.shard_index(ep_axes, mesh) * n_local
                 local = (ids >= lo) & (ids < lo + n_local)
                 ids, weights = jnp.where(local, ids - lo, 0), jnp.where(local, weights, 0.0)
-            y = _routed_f32(x, ids, weights, experts, rt)
+            y = _routed_f32(x, ids, weights, experts, rt, scale)
         if shared is not None:
             with jax.named_scope("shared_expert"):
-                y = y + swiglu(x, shared["gate"], shared["up"], shared["down"]).astype(jnp.float32)
+                rows = x if scale is None else scale * x
+                y = y + swiglu(rows, shared["gate"], shared["up"], shared["down"], impl=rt.moe_impl).astype(jnp.float32)
+        if residual is not None:
+            y = y + jnp.where(sharding.shard_index(sum_axes, mesh) == 0, residual, 0).astype(jnp.float32)
         y = y.astype(x.dtype)
         return jax.lax.psum(y, sum_axes) if sum_axes else y
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), ex_specs, sh_specs if with_shared else None),
+    inner = residual if sum_axes else None
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), None if scale is None else P(), P(), P(), ex_specs,
+                                                  sh_specs if with_shared else None, None if inner is None else P()),
                        out_specs=P(), check_vma=False)
-    y = fn(x, ids, weights, p["experts"], shared if with_shared else None)
+    y = fn(x, scale, ids, weights, p["experts"], shared if with_shared else None, inner)
     if not with_shared:
         with jax.named_scope("shared_expert"):
-            y_shared = swiglu(x, shared["gate"], shared["up"], shared["down"])
+            rows = x if scale is None else scale * x
+            y_shared = swiglu(rows, shared["gate"], shared["up"], shared["down"], impl=rt.moe_impl)
         y = y + y_shared
-    return y
+    return y if residual is None or inner is not None else residual + y

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax import cache as cache_lib
+from kimi_jax import sharding
 from kimi_jax.cache import KVCache, init_cache, visibility
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.model import mla
-from kimi_jax.model.layers import rms_norm, rms_normalize, run_layers, swiglu, yarn_inv_freq
+from kimi_jax.model.layers import residual_swiglu, run_layers, yarn_inv_freq
 from kimi_jax.model.moe import moe_block
+from kimi_jax.ops.numerics import rms_norm, rms_normalize
 
 
 class LayerContext(NamedTuple):
@@ -40,15 +41,12 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
     """One decoder layer; kv is the whole cache array (kimi_jax.cache). Returns (x, kv, expert loads [E] or None)."""
     positions, slots, inv_freq = ctx.positions, ctx.slots, ctx.inv_freq
     p = layer_params["attn"]
-    with jax.named_scope("norm"):
-        h = rms_norm(x, layer_params["attn_norm"], cfg.rms_norm_eps)
     with jax.named_scope("attention"):
-        q_nope, q_pe = mla.queries(h, p, cfg, positions, inv_freq)
-        rows = mla.latent_rows(h, p, cfg, positions, inv_freq)
-        with jax.named_scope("cache_write"):
-            kv = cache_lib.write(kv, ctx.page_table, layer_index, slots, rows)
+        with jax.named_scope("qkv_proj"):   # the attention's norm and the cache write ride in the projection (mla)
+            cq, kv = mla.latent_projection(x, layer_params["attn_norm"], p, cfg, positions, inv_freq, rt, kv,
+                                           ctx.page_table, layer_index, slots)
         with jax.named_scope("attend"):
-            o = mla.attend(q_nope, q_pe, kv, ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, p,
+            o = mla.attend(cq, kv, ctx.page_table, ctx.visible, ctx.lengths, ctx.new_mask, positions, inv_freq, p,
                            cfg, form=attn_form, impl=rt.attn_impl, rt=rt, layer=layer_index)
         with jax.named_scope("o_proj"):
             y = mla.output(o, p)
@@ -56,14 +54,22 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
     if moe:     # the norm's weight goes in with the rows: the router kernel applies it (moe_block)
         with jax.named_scope("norm"):
             h = rms_normalize(x, cfg.rms_norm_eps)
-        y, loads = moe_block(h, layer_params["moe"], cfg, rt, scale=layer_params["mlp_norm"])
-        return x + y, kv, loads
+        x, loads = moe_block(h, layer_params["moe"], cfg, rt, scale=layer_params["mlp_norm"], residual=x)
+        return x, kv, loads
     with jax.named_scope("norm"):
         h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
     m = layer_params["mlp"]
     with jax.named_scope("dense_mlp"):
-        y = swiglu(h, m["gate"], m["up"], m["down"])
-    return x + y, kv, None
+        return residual_swiglu(x, h, m["gate"], m["up"], m["down"], impl=rt.moe_impl, **_mlp_split(rt)), kv, None
+
+
+def _mlp_split(rt: Runtime) -> dict:
+    """``residual_swiglu``'s mesh arguments for the dense MLP under ``rt.mesh``: its width split as the strategy
+    splits "mlp", its rows as it splits "batch" where those are other mesh axes (dp_attn splits both over "dp":
+    there the rows are gathered, as the partitioner gathers them for the MoE)."""
+    if rt.mesh is None or rt.mesh.size == 1:
+        return {}
+    return sharding.mlp_split(rt.mesh, rt.strategy, "mlp")
 
 
 class ForwardOut(NamedTuple):

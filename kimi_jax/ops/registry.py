@@ -70,7 +70,8 @@ from kimi_jax.ops.select import hopper, lowering_gpu, lowering_tpu, mosaic_lower
 
 # The modules that register the ops (``all_ops`` imports them: an op's module defines its calls and rules)
 OP_MODULES = ("kimi_jax.ops.int4_moe.rules", "kimi_jax.ops.int4_moe.pallas_triton", "kimi_jax.ops.tree_attention.rules",
-              "kimi_jax.ops.router.api", "kimi_jax.ops.drafter_attention.api")
+              "kimi_jax.ops.router.api", "kimi_jax.ops.drafter_attention.api", "kimi_jax.ops.latent.api",
+              "kimi_jax.ops.swiglu.api")
 _OPS: dict[str, "Op"] = {}
 
 
@@ -153,6 +154,9 @@ class Implementation:
     name: str              # "mosaic", "pallas" (Pallas Triton), "tpu" (Pallas TPU) or "xla"
     supports: Supports     # None, or why not: a sentence a user can act on
     rules: str             # the supports conditions in words (docs/design.md's table)
+    # calls "auto" leaves to the implementations after this one though this one takes them (None: every call it
+    # takes), e.g. a decode-width kernel that computes a prefill right but slower than XLA; a forced impl ignores it
+    auto: Supports | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +179,20 @@ class Op:
             return f"{self.name} has no {name!r} implementation (it has {[i.name for i in self.implementations]})"
         return impl.supports(call, lowering)
 
+    def auto_refusal(self, name: str, call, lowering: Lowering) -> str | None:
+        """Why "auto" does not give ``call`` to implementation ``name`` (None: it would, if preferred)."""
+        if (reason := self.refusal(name, call, lowering)) is not None:
+            return reason
+        impl = self.implementation(name)
+        return None if impl.auto is None else impl.auto(call, lowering)
+
     def resolve(self, call, lowering: Lowering) -> str:
         """The first implementation of the lowering's preference that supports the call."""
         own = {i.name: i for i in self.implementations}       # stand-ins serve forced names only
         for name in preference(lowering):
-            if name in own and own[name].supports(call, lowering) is None:
+            if name in own and self.auto_refusal(name, call, lowering) is None:
                 return name
-        reasons = "; ".join(f"{name}: {own[name].supports(call, lowering)}" for name in preference(lowering)
+        reasons = "; ".join(f"{name}: {self.auto_refusal(name, call, lowering)}" for name in preference(lowering)
                             if name in own)
         raise ValueError(f"{self.name}: no implementation takes {call} lowered for {lowering.platform} ({reasons})")
 
@@ -220,6 +231,21 @@ class Op:
     @staticmethod
     def _runner(name: str, lowering: Lowering, run: dict[str, Callable]) -> Callable:
         return run[name] if name == "xla" else functools.partial(run[name], interpret=lowering.interpret)
+
+
+def with_reference_jvp(kernel_fn: Callable, reference: Callable, kw: dict) -> Callable:
+    """A kernel's runner for ``Op.dispatch`` (``run[name](*operands, interpret=...)``) whose derivative is the
+    reference's: pallas_call has none, and the kernel computes the reference's function (training differentiates
+    through the model on every platform)."""
+    def run(*operands, interpret):
+        kernel = jax.custom_jvp(functools.partial(kernel_fn, **kw, interpret=interpret))
+
+        @kernel.defjvp
+        def _(primals, tangents):
+            return kernel(*primals), jax.jvp(functools.partial(reference, **kw), primals, tangents)[1]
+
+        return kernel(*operands)
+    return run
 
 
 def all_ops() -> dict[str, Op]:

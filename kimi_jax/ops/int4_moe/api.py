@@ -49,9 +49,12 @@ def _check(x, topk_idx, topk_weight, ex: Int4Experts) -> None:
 
 
 def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts: Int4Experts, *,
-             impl: str = "auto", interpret: bool = False, block_m: int | None = None) -> jax.Array:
+             impl: str = "auto", interpret: bool = False, block_m: int | None = None, scale=None) -> jax.Array:
     """Routed experts of one MoE layer: ``x [T, D]``, ``topk_idx [T, k]`` int (valid expert ids),
     ``topk_weight [T, k]`` -> float32 ``[T, D]``. The dots run in ``x.dtype`` with float32 accumulation.
+    ``scale`` [D] (the MoE norm's weight): the experts read the rows ``scale * x`` (rounded to ``x.dtype``); the
+    GPU kernels multiply the rows they gather (Triton's gate/up kernel, Mosaic GPU's placement kernel), the XLA and
+    TPU paths leave the product to XLA's fusions.
 
     ``impl``: "auto", "xla", "pallas", "mosaic" or "tpu", resolved for the platform the program is lowered for
     (``kimi_jax.ops.registry``; a forced one that does not take the call is an error saying why);
@@ -59,12 +62,16 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
     block (a power of two; >= 16 for pallas; 8, 16, 32 or 64 for mosaic).
     """
     _check(x, topk_idx, topk_weight, experts)
+    if scale is not None and scale.shape != x.shape[1:]:
+        raise ValueError(f"scale must be [{x.shape[1]}], got {scale.shape}")
     experts = jax.tree.map(jnp.asarray, experts)     # numpy leaves (fresh from the loader) cannot be traced-indexed
+    scaled = (lambda x: x) if scale is None else (lambda x: scale.astype(x.dtype) * x)
 
     def mosaic(x, topk_idx, topk_weight, experts, interpret=False):
         # imported here: Mosaic GPU's Python side loads only for programs that lower it
         from kimi_jax.ops.int4_moe.mosaic_gpu import Tiles, int4_moe_mosaic
-        return int4_moe_mosaic(x, topk_idx, topk_weight, experts, interpret=interpret, tiles=Tiles(block_m=block_m))
+        return int4_moe_mosaic(x, topk_idx, topk_weight, experts, interpret=interpret, tiles=Tiles(block_m=block_m),
+                               scale=None if scale is None else scale.astype(x.dtype))
 
     def run(x, topk_idx, topk_weight, experts, *, kernel, interpret=False):
         t, k = topk_idx.shape
@@ -76,14 +83,15 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
             routing = sort_by_expert(topk_idx, experts.num_experts, bm)
         width = experts.w13.shape[-2] * 8
         if kernel == "xla":
-            out = experts_xla(gather_rows(x, routing, k, width), routing.block_expert, experts)
-        else:   # the gate/up kernel gathers its rows of x itself
-            x = jnp.pad(x, ((0, 0), (0, width - x.shape[1])))     # a no-op unless D is not whole chunks
-            out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret)
+            out = experts_xla(gather_rows(scaled(x), routing, k, width), routing.block_expert, experts)
+        else:   # the gate/up kernel gathers its rows of x itself, and multiplies them by the scale
+            pad = ((0, 0), (0, width - x.shape[1]))       # a no-op unless D is not whole chunks
+            out = experts_pallas(jnp.pad(x, pad), routing.row_pair, k, routing.block_expert, experts, interpret,
+                                 scale=None if scale is None else jnp.pad(scale.astype(x.dtype), pad[1]))
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
     def tpu(x, topk_idx, topk_weight, experts, interpret=False):
-        return int4_moe_tpu(x, topk_idx, topk_weight, experts, interpret=interpret, block_m=block_m,
+        return int4_moe_tpu(scaled(x), topk_idx, topk_weight, experts, interpret=interpret, block_m=block_m,
                             device_kind=lowering_tpu())
 
     call = MoeCall(jnp.dtype(x.dtype).name, experts.d_model, experts.d_ff, block_m)

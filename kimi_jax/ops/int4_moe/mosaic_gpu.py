@@ -321,21 +321,20 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
 
 
 def int4_moe_mosaic(x, topk_idx, topk_weight, experts: Int4Experts, *, interpret=False,
-                    tiles: Tiles | None = None) -> jax.Array:
+                    tiles: Tiles | None = None, scale=None) -> jax.Array:
     """``api.int4_moe``'s computation through the Mosaic GPU kernels: routing blocks of ``tiles.block_m`` rows,
     by default the next power of two of the mean rows per touched expert in [8, 64] ([16, 64] for tcgen05;
     ``routing.default_block_m``; under 64, and always with tcgen05, the kernels run swapped). The pairs are
     placed as the Triton path places them (``pallas_triton.place``: its placement kernel up to 512 pairs, XLA
     above): Mosaic GPU has no such kernel of ours, and four XLA kernels in its place cost launches at every MoE
-    layer."""
-    from kimi_jax.ops.int4_moe.pallas_triton import place
-    from kimi_jax.ops.int4_moe.routing import combine, default_block_m, gather_rows
+    layer. The same kernel gathers the rows the experts read, ``scale * x`` (``pallas_triton.place_rows``)."""
+    from kimi_jax.ops.int4_moe.pallas_triton import place_rows
+    from kimi_jax.ops.int4_moe.routing import combine, default_block_m
 
     tiles = tiles or Tiles()
     t, k = topk_idx.shape
     lo = TC_MIN_ROWS if tiles.tcgen05() else 8
     bm = tiles.block_m or default_block_m(t * k, experts.num_experts, lo, WGMMA_M)
-    routing = place(topk_idx, experts.num_experts, bm, interpret)
-    xs = gather_rows(x, routing, k, experts.w13.shape[-2] * 8)
+    routing, xs = place_rows(topk_idx, x, scale, experts.num_experts, bm, experts.w13.shape[-2] * 8, interpret)
     out = experts_mosaic(xs, routing.block_expert, experts, interpret, tiles)
     return combine(out, routing, topk_weight).astype(jnp.float32)

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
-from kimi_jax.ops.int4_moe.routing import Routing, num_blocks, sort_by_expert
+from kimi_jax.ops.int4_moe.routing import Routing, gather_rows, num_blocks, sort_by_expert
 from kimi_jax.ops import registry
 from kimi_jax.ops.numerics import F32, next_pow2
 from kimi_jax.ops.registry import Implementation, Lowering, Op, always
@@ -91,7 +91,8 @@ def _nibble_dot(x: jax.Array, words: jax.Array, i: int) -> jax.Array:
     return jnp.dot(x, q.astype(x.dtype), preferred_element_type=F32)
 
 
-def _gate_up_kernel(block_expert_ref, row_pair_ref, x_ref, w_ref, s_ref, h_ref, *, n_chunks: int, k: int):
+def _gate_up_kernel(block_expert_ref, row_pair_ref, x_ref, *refs, n_chunks: int, k: int, scaled: bool):
+    scale_ref, w_ref, s_ref, h_ref = refs if scaled else (None, *refs)
     e = block_expert_ref[pl.program_id(0)]
 
     @pl.when(e >= 0)
@@ -104,7 +105,10 @@ def _gate_up_kernel(block_expert_ref, row_pair_ref, x_ref, w_ref, s_ref, h_ref, 
             w_gate = w_ref[e, 0, pl.ds(c * WORD_ROWS, WORD_ROWS), :]
             w_up = w_ref[e, 1, pl.ds(c * WORD_ROWS, WORD_ROWS), :]
             for i in range(8):  # nibble plane i = scale group 8c + i = inputs 256c + 32i .. + 31
-                xi = x_ref[rows, pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)]
+                cols = pl.ds(c * CHUNK + i * GROUP_SIZE, GROUP_SIZE)
+                xi = x_ref[rows, cols]
+                if scaled:      # the rows times the MoE norm's weight, rounded as XLA rounds scale * x
+                    xi = (xi.astype(F32) * scale_ref[cols].astype(F32)[None, :]).astype(x_ref.dtype)
                 g = c * 8 + i
                 acc_g += _nibble_dot(xi, w_gate, i) * s_ref[e, 0, g, :].astype(F32)[None, :]
                 acc_u += _nibble_dot(xi, w_up, i) * s_ref[e, 1, g, :].astype(F32)[None, :]
@@ -136,10 +140,11 @@ def _down_kernel(block_expert_ref, row_pair_ref, h_ref, w_ref, s_ref, o_ref, *, 
 
 
 def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.Array, ex: Int4Experts,
-                   interpret: bool, tiles: Tiles | None = None) -> jax.Array:
-    """Rows ``[nb * bm, D]`` (float32) of the experts of ``block_expert`` [nb] applied to the rows ``x[row_pair //
-    k]`` (``routing.Routing``; k = pairs per token): ``x`` ``[T, Dp]`` (columns zero-padded to the word rows'
-    inputs). Only rows holding a pair are written; padding rows and unused blocks hold whatever the buffer held.
+                   interpret: bool, tiles: Tiles | None = None, scale: jax.Array | None = None) -> jax.Array:
+    """Rows ``[nb * bm, D]`` (float32) of the experts of ``block_expert`` [nb] applied to the rows ``scale *
+    x[row_pair // k]`` (``routing.Routing``; k = pairs per token): ``x`` ``[T, Dp]`` (columns zero-padded to the
+    word rows' inputs), ``scale`` [Dp] or None (ones; the gate/up kernel multiplies the rows it gathers). Only
+    rows holding a pair are written; padding rows and unused blocks hold whatever the buffer held.
     ``tiles``: None picks them for the GPU being lowered for (``select.lowering_tiles``)."""
     tiles = tiles or (Tiles() if interpret else lowering_tiles(TILES))
     nb = block_expert.shape[0]
@@ -149,6 +154,10 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
     # at 64-row blocks the float32 accumulators spill: the down kernel's at 4 warps (H200, 2048 tokens), the
     # gate/up kernel's two at 64 columns (B300)
     wide = bm >= 64
+    if wide and scale is not None:
+        # rows scaled in the kernel live in tensor memory on Blackwell, past B300's 512 columns at 64-row blocks
+        # (deviceless compile: 576 asked); at these prefill widths XLA's product is one launch among thousands
+        x, scale = (scale * x).astype(x.dtype), None
     down_warps = max(tiles.num_warps, tiles.num_warps_wide) if wide else tiles.num_warps
     params = pltriton.CompilerParams(num_warps=down_warps, num_stages=tiles.num_stages)
     params_gate_up = pltriton.CompilerParams(num_warps=tiles.num_warps_gate_up, num_stages=tiles.num_stages)
@@ -156,12 +165,13 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
 
     bn = _block_n(f, tiles.block_n_gate_up_wide if wide else tiles.block_n_gate_up)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS, k=k),
+        functools.partial(_gate_up_kernel, n_chunks=d_rows // WORD_ROWS, k=k, scaled=scale is not None),
         grid=(nb, f // bn),
         in_specs=[
             expert_spec,
             pl.BlockSpec((bm,), lambda b, n: (b,)),
             pl.BlockSpec(x.shape, lambda b, n: (0, 0)),
+            *([pl.BlockSpec(x.shape[1:], lambda b, n: (0,))] if scale is not None else []),
             pl.BlockSpec((n_exp, 2, d_rows, bn), lambda b, n: (0, 0, 0, n)),
             pl.BlockSpec((n_exp, 2, d_rows // 4, bn), lambda b, n: (0, 0, 0, n)),
         ],
@@ -170,7 +180,7 @@ def experts_pallas(x: jax.Array, row_pair: jax.Array, k: int, block_expert: jax.
         compiler_params=params_gate_up,
         interpret=interpret,
         name="int4_moe_gate_up",
-    )(block_expert, row_pair, x, ex.w13, ex.s13)
+    )(block_expert, row_pair, x, *([] if scale is None else [scale]), ex.w13, ex.s13)
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
 
     bn = _block_n(d, tiles.block_n_down)
@@ -201,8 +211,17 @@ PLACE_BLOCK_ROWS = 128         # padded rows per program (a power of two >= bm)
 PLACE_TILE = 8192              # elements of one comparison tile: [pairs, chunk] int32 in 4 warps' registers
 
 
-def _place_kernel(ids_ref, row_pair_ref, block_expert_ref, pair_row_ref, *, m: int, bm: int, chunk: int):
-    """Comparisons in [pairs, chunk] tiles, so that registers hold them (all pairs at once spills)."""
+PLACE_COLS = 128               # columns of x one program gathers (place_rows): a [128, 128] tile in registers
+
+
+def _place_kernel(ids_ref, *refs, m: int, bm: int, chunk: int, k: int | None):
+    """Comparisons in [pairs, chunk] tiles, so that registers hold them (all pairs at once spills). ``k`` not None:
+    refs are (x, scale, row_pair, block_expert, pair_row, xs) and program ``(i, j)`` also writes columns ``j`` of
+    its rows of ``xs`` (``place_rows``); programs ``(i, 0)`` write the placement."""
+    if k is None:
+        row_pair_ref, block_expert_ref, pair_row_ref = refs
+    else:
+        x_ref, scale_ref, row_pair_ref, block_expert_ref, pair_row_ref, xs_ref = refs
     mp, rows_per = ids_ref.shape[0], row_pair_ref.shape[0]
     big = jnp.iinfo(jnp.int32).max
 
@@ -221,7 +240,9 @@ def _place_kernel(ids_ref, row_pair_ref, block_expert_ref, pair_row_ref, *, m: i
 
     rank = jax.lax.fori_loop(0, mp // chunk, count_rank, jnp.zeros((mp,), jnp.int32))
     opens = (p_all < m) & (rank % bm == 0)        # the pairs that open a block of their expert
-    i = pl.program_id(0)        # read here: interpret mode cannot read it inside the loop
+    # read here: interpret mode cannot read them inside the loop
+    i = pl.program_id(0)
+    first_column = i >= 0 if k is None else pl.program_id(1) == 0     # traced: pl.when takes no constant
     rows = i * rows_per + jnp.arange(rows_per, dtype=jnp.int32)
     first = i * rows_per + bm * jnp.arange(rows_per // bm, dtype=jnp.int32)
 
@@ -232,7 +253,7 @@ def _place_kernel(ids_ref, row_pair_ref, block_expert_ref, pair_row_ref, *, m: i
         below = jnp.sum(((e_all[None, :] < e[:, None]) & opens[None, :]).astype(jnp.int32), axis=1)
         pair_row = jnp.where(p < m, below * bm + rank_c, -1)
 
-        @pl.when(i == 0)
+        @pl.when((i == 0) & first_column)
         def _():
             pair_row_ref[pl.ds(c * chunk, chunk)] = pair_row
 
@@ -244,8 +265,52 @@ def _place_kernel(ids_ref, row_pair_ref, block_expert_ref, pair_row_ref, *, m: i
 
     row_pair, block_expert = jax.lax.fori_loop(
         0, mp // chunk, place, (jnp.full((rows_per,), m, jnp.int32), jnp.full((rows_per // bm,), -1, jnp.int32)))
-    row_pair_ref[...] = row_pair
-    block_expert_ref[...] = block_expert
+
+    @pl.when(first_column)
+    def _():
+        row_pair_ref[...] = row_pair
+        block_expert_ref[...] = block_expert
+
+    if k is not None:       # xs[r] = scale * x[token of r], zeros for padding rows (routing.gather_rows)
+        tokens = x_ref.shape[0]
+        cols = pl.ds(pl.program_id(1) * xs_ref.shape[1], xs_ref.shape[1])
+        x = x_ref[jnp.minimum(row_pair // k, tokens - 1), cols].astype(F32)
+        xs = x * scale_ref[cols].astype(F32)[None, :]
+        xs_ref[...] = jnp.where((row_pair < m)[:, None], xs, 0).astype(xs_ref.dtype)
+
+
+def _place_call(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool, x=None, scale=None, k=None):
+    """``place_pallas`` (x None) or ``place_rows``'s kernel: (Routing, xs or None)."""
+    flat = topk_idx.reshape(-1).astype(jnp.int32)
+    m = flat.shape[0]
+    if m > PLACE_MAX_PAIRS:
+        raise ValueError(f"the placement kernel places at most {PLACE_MAX_PAIRS} pairs, got {m}")
+    mp = next_pow2(m)
+    rows_per = max(PLACE_BLOCK_ROWS, block_m)
+    rows = nb * block_m
+    gather = x is not None
+    grid = (pl.cdiv(rows, rows_per),) + ((x.shape[1] // PLACE_COLS,) if gather else ())
+    at = (lambda f: (lambda i, j: f(i))) if gather else (lambda f: f)    # index maps that ignore the column
+    in_specs = [pl.BlockSpec((mp,), at(lambda i: (0,)))]
+    out_specs = [pl.BlockSpec((rows_per,), at(lambda i: (i,))),
+                 pl.BlockSpec((rows_per // block_m,), at(lambda i: (i,))),
+                 pl.BlockSpec((mp,), at(lambda i: (0,)))]
+    out_shape = [jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((nb,), jnp.int32),
+                 jax.ShapeDtypeStruct((m,), jnp.int32)]
+    operands = (flat,)
+    if gather:
+        in_specs += [pl.BlockSpec(x.shape, lambda i, j: (0, 0)), pl.BlockSpec(scale.shape, lambda i, j: (0,))]
+        out_specs.append(pl.BlockSpec((rows_per, PLACE_COLS), lambda i, j: (i, j)))
+        out_shape.append(jax.ShapeDtypeStruct((rows, x.shape[1]), x.dtype))
+        operands += (x, scale)
+    out = pl.pallas_call(
+        functools.partial(_place_kernel, m=m, bm=block_m, chunk=min(mp, max(16, PLACE_TILE // mp)), k=k),
+        grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="int4_moe_place",
+    )(*operands)
+    return Routing(*out[:3]), (out[3] if gather else None)
 
 
 def place_pallas(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool) -> Routing:
@@ -255,27 +320,20 @@ def place_pallas(topk_idx: jax.Array, block_m: int, nb: int, interpret: bool) ->
     ``PLACE_BLOCK_ROWS`` padded rows; each recomputes the pairs' rows (a few hundred thousand compares) and
     writes its rows' pairs and its blocks' experts; program 0 writes every pair's row. It replaces the counting
     method's four XLA kernels."""
-    flat = topk_idx.reshape(-1).astype(jnp.int32)
-    m = flat.shape[0]
-    if m > PLACE_MAX_PAIRS:
-        raise ValueError(f"place_pallas places at most {PLACE_MAX_PAIRS} pairs, got {m}")
-    mp = next_pow2(m)
-    rows_per = max(PLACE_BLOCK_ROWS, block_m)
-    rows = nb * block_m
-    row_pair, block_expert, pair_row = pl.pallas_call(
-        functools.partial(_place_kernel, m=m, bm=block_m, chunk=min(mp, max(16, PLACE_TILE // mp))),
-        grid=(pl.cdiv(rows, rows_per),),
-        in_specs=[pl.BlockSpec((mp,), lambda i: (0,))],
-        out_specs=[pl.BlockSpec((rows_per,), lambda i: (i,)),
-                   pl.BlockSpec((rows_per // block_m,), lambda i: (i,)),
-                   pl.BlockSpec((mp,), lambda i: (0,))],
-        out_shape=[jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((nb,), jnp.int32),
-                   jax.ShapeDtypeStruct((m,), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="int4_moe_place",
-    )(flat)
-    return Routing(row_pair, block_expert, pair_row)
+    return _place_call(topk_idx, block_m, nb, interpret)[0]
+
+
+def place_rows_pallas(topk_idx: jax.Array, x: jax.Array, scale: jax.Array, block_m: int, nb: int,
+                      interpret: bool) -> tuple[Routing, jax.Array]:
+    """``place_pallas`` and ``routing.gather_rows(scale * x, ...)`` in one kernel: (Routing, xs [nb * bm, D]),
+    for ``x`` [T, D] with D a multiple of ``PLACE_COLS`` and ``scale`` [D]. Grid: (row programs, D /
+    ``PLACE_COLS``); every program places the pairs (it needs its rows' tokens), programs of column 0 write the
+    placement. What it saves: the gather as an XLA kernel of its own (one launch per MoE layer)."""
+    t, k = topk_idx.shape
+    if x.ndim != 2 or x.shape[0] != t or x.shape[1] % PLACE_COLS or scale.shape != x.shape[1:]:
+        raise ValueError(f"place_rows_pallas takes x [T={t}, D] with D a multiple of {PLACE_COLS} and scale [D]; "
+                         f"got x {x.shape}, scale {scale.shape}")
+    return _place_call(topk_idx, block_m, nb, interpret, x, scale, k)
 
 
 def _place_supports(pairs: int, lowering: Lowering) -> str | None:
@@ -298,3 +356,18 @@ def place(topk_idx: jax.Array, num_experts: int, block_m: int, interpret: bool) 
     if PLACEMENT.resolve(topk_idx.size, registry.gpu(bool(interpret))) == "pallas":
         return place_pallas(topk_idx, block_m, num_blocks(topk_idx.size, num_experts, block_m), bool(interpret))
     return sort_by_expert(topk_idx, num_experts, block_m)
+
+
+def place_rows(topk_idx: jax.Array, x: jax.Array, scale: jax.Array | None, num_experts: int, block_m: int,
+               width: int, interpret: bool) -> tuple[Routing, jax.Array]:
+    """``place`` and the rows it orders, ``routing.gather_rows(scale * x, routing, k, width)`` (``scale`` None:
+    ones): one kernel where ``PLACEMENT`` takes the pairs and ``x``'s columns come in whole ``PLACE_COLS``
+    (the Mosaic GPU path: Hopper's TMA copies boxes, not rows, so its experts read gathered rows), else ``place``
+    and an XLA gather."""
+    scale = jnp.ones(x.shape[1:], x.dtype) if scale is None else scale
+    if width % PLACE_COLS == 0 and PLACEMENT.resolve(topk_idx.size, registry.gpu(bool(interpret))) == "pallas":
+        pad = ((0, 0), (0, width - x.shape[1]))         # no-op unless D is not whole chunks (tiny models)
+        nb = num_blocks(topk_idx.size, num_experts, block_m)
+        return place_rows_pallas(topk_idx, jnp.pad(x, pad), jnp.pad(scale, pad[1]), block_m, nb, bool(interpret))
+    routing = place(topk_idx, num_experts, block_m, interpret)
+    return routing, gather_rows(scale * x, routing, topk_idx.shape[1], width)

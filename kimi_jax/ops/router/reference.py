@@ -35,7 +35,7 @@ def biased(scores, bias):
 
 def route_reference(x, router, bias, scale=None, *, k: int, norm_topk_prob: bool, scaling: float):
     """x [T, D], router [D, E], bias [E] -> (ids [T, k] int32, weights [T, k] float32). ``scale`` [D]: x's columns
-    are multiplied by it first, in x's dtype (the MoE's RMSNorm weight, as ``layers.rms_norm`` applies it)."""
+    are multiplied by it first, in x's dtype (the MoE's RMSNorm weight, as ``numerics.rms_norm`` applies it)."""
     if scale is not None:
         x = scale * x
     s = scores(x, router)
