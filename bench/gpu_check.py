@@ -373,9 +373,48 @@ def check_kernels(plan: Plan, ctx: dict, rec: dict) -> None:
                 next(c for c in cases[::-1] if c["impl"] == impl)["max_rel_diff_vs_xla"] = \
                     rel_err(outs[impl], outs["xla"])[1]
         free(kv)
+    check_projections(ctx, cases)
     done = [c for c in cases if "ok" in c]
     rec["passed"] = sum(c["ok"] for c in done)
     rec["checked"] = len(done)
+
+
+def check_projections(ctx: dict, cases: list) -> None:
+    """The latent projection, the absorbed queries and SwiGLU (kimi_jax.ops.latent, ops.swiglu): each kernel
+    against its jnp reference at K2.6's TP-8 widths for a 17-token verify (bf16; the tiny model's widths on a
+    CPU, interpret mode)."""
+    from kimi_jax.ops.latent.api import absorbed_queries, latent_projection
+    from kimi_jax.ops.latent.reference import latent_reference, queries_reference
+    from kimi_jax.ops.swiglu.api import swiglu
+    from kimi_jax.ops.swiglu.reference import swiglu_reference
+
+    on_gpu = ctx["on_gpu"]
+    t, d, q, r, p, h, f = (17, 7168, 1536, 512, 64, 8, 256) if on_gpu else (5, 64, 48, 32, 16, 4, 32)
+    rng = np.random.default_rng(5)
+    arr = lambda *shape, scale=1.0: jnp.asarray(rng.normal(size=shape) * scale, BF16)  # noqa: E731
+    inv_freq = jnp.asarray(1.0 / 50000 ** (np.arange(0, p, 2) / p), F32)
+    pos = jnp.asarray(rng.integers(0, 4096, (1, t)), jnp.int32)
+    kw = dict(eps=1e-6, latent_eps=1e-6)
+    latent_args = (arr(1, t, d), arr(d) + 1, arr(d, q, scale=d ** -0.5), arr(d, r + p, scale=d ** -0.5),
+                   arr(q) + 1, arr(r) + 1, pos, inv_freq)
+    query_args = (arr(1, t, q), arr(q, h, 128 + p if on_gpu else 16 + p, scale=q ** -0.5),
+                  arr(r, h, 256 if on_gpu else 32, scale=0.1), pos, inv_freq)
+    swiglu_args = (arr(t, d), arr(d, f, scale=d ** -0.5), arr(d, f, scale=d ** -0.5), arr(f, d, scale=f ** -0.5))
+    for name, fn, ref, args in (
+            ("latent_projection", functools.partial(latent_projection, **kw), functools.partial(latent_reference, **kw),
+             latent_args),
+            ("absorbed_queries", absorbed_queries, queries_reference, query_args),
+            ("swiglu", swiglu, swiglu_reference, swiglu_args)):
+        row = dict(kernel=name, case=f"t{t}_d{d}", impl="pallas", dtype="bfloat16", tol=tolerance(BF16, on_gpu))
+        try:
+            got = jax.tree.leaves(jax.jit(functools.partial(fn, impl="pallas", interpret=not on_gpu))(*args))
+            want = jax.tree.leaves(ref(*args))
+            errs = [rel_err(np.asarray(g, np.float32), np.asarray(w, np.float32)) for g, w in zip(got, want)]
+            row["max_abs_err"], row["max_rel_err"] = max(e[0] for e in errs), max(e[1] for e in errs)
+            row["ok"] = row["max_rel_err"] <= row["tol"]
+        except Exception as exc:     # noqa: BLE001  (one case's failure is a result)
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+        cases.append(row)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -557,23 +557,24 @@ class DesignOverhead:
                    + host_launches * host_launch_s
 
     The counts are measured, not assumed: the thunk sequence of the K2.6 TP-8 DDTree round (budget 16, its
-    6-layer DFlash drafter) compiled for 8 H200s as kimi_jax compiles it (per-layer weights, graph loops, XLA's
-    split-K, the Mosaic GPU experts and tree attention Hopper gets by default), bench/results/gpu_overhead_h200.json
-    (2026-12-07, issue 41 part three): 1730 GPU ops = 61 x 25.8 target-layer ops (the mean over 1 dense and 60 MoE
-    layers, the round's 9 unscoped ops included) + 6 x 15 drafter-layer ops (scopes ``draft/drafter`` and
-    ``commit/drafter``, 92 in all) + 62 round ops (``build_tree`` 38, ``accept`` 9, ``commit`` 15), in one CUDA
-    graph, one host submission. Earlier the same day (issue 41 part two): 1871 = 61 x 27.8 + 6 x 18 + 64. Before
-    issue 41's cuts (2026-12-06): 2065 ops = 61 x 29.7 + 6 x 20 + 134, 5 submissions; all-Triton 2005 (28.7 a
-    layer); before the router and placement kernels 2508 (36.9), before the attention cuts 2798 (41.4), before the
-    routing cuts 5443 (85). ``Runtime(split_k=False)`` compiles the same round to 1663 ops; it is opt-in, so the
-    default's counts stand here. The AR step of one row (1764 ops, 28.6 a layer with its padding row,
-    ``ddtree.ar_tree``) is not counted separately: width 1 takes the DDTree round's per-layer count. B300 runs the
-    Triton kernels but takes the H200 round's counts here: no full-size B300 round has been counted. The per-op
-    tail (2 us under CUDA graphs) and the per-submission host cost (5 us) are assumptions: [kernel-overhead] infers
-    2.5-4 us per launch under graphs; no GPU has run them here.
+    6-layer DFlash drafter) compiled for 8 H200s as kimi_jax compiles it (per-layer weights, graph loops, the
+    Mosaic GPU experts and tree attention Hopper gets by default, the latent, queries and SwiGLU Triton kernels),
+    bench/results/gpu_overhead_h200.json (2026-12-07, issue 41 part four): 1253 GPU ops = 61 x 18.2 target-layer
+    ops (the mean over 1 dense and 60 MoE layers, the round's 9 unscoped ops included; 18 a MoE layer) + 6 x 13
+    drafter-layer ops (scopes ``draft/drafter`` and ``commit/drafter``, 80 in all) + 62 round ops (``build_tree``
+    38, ``accept`` 9, ``commit`` 15), in one CUDA graph, one host submission. Earlier the same day: 1730 = 61 x
+    25.8 + 6 x 15 + 62 (part three), 1871 = 61 x 27.8 + 6 x 18 + 64 (part two). Before issue 41's cuts
+    (2026-12-06): 2065 ops = 61 x 29.7 + 6 x 20 + 134, 5 submissions; all-Triton 2005 (28.7 a layer); before the
+    router and placement kernels 2508 (36.9), before the attention cuts 2798 (41.4), before the routing cuts 5443
+    (85). ``Runtime(split_k=False)`` compiles the same round to 1254 ops (the kernels' GEMMs split K themselves).
+    The AR step of one row (1250 ops, 20 a layer: its gate/up kernel splits K at one token and XLA sums the
+    partials in two kernels, ``ddtree.ar_tree``) is not counted separately: width 1 takes the DDTree round's
+    per-layer count. B300 runs the Triton kernels but takes the H200 round's counts here: no full-size B300 round
+    has been counted. The per-op tail (2 us under CUDA graphs) and the per-submission host cost (5 us) are
+    assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run them here.
     """
-    ops_per_layer: float = 25.8
-    ops_per_drafter_layer: int = 15
+    ops_per_layer: float = 18.2
+    ops_per_drafter_layer: int = 13
     round_ops: int = 62
     host_launches: int = 1
     op_tail_s: float = 2 * US

@@ -84,10 +84,12 @@ def int4_moe(x: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, experts:
         width = experts.w13.shape[-2] * 8
         if kernel == "xla":
             out = experts_xla(gather_rows(scaled(x), routing, k, width), routing.block_expert, experts)
+        elif width != x.shape[1]:   # D not whole chunks (small models): one XLA kernel pads the scaled rows
+            x = jnp.pad(scaled(x), ((0, 0), (0, width - x.shape[1])))
+            out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret)
         else:   # the gate/up kernel gathers its rows of x itself, and multiplies them by the scale
-            pad = ((0, 0), (0, width - x.shape[1]))       # a no-op unless D is not whole chunks
-            out = experts_pallas(jnp.pad(x, pad), routing.row_pair, k, routing.block_expert, experts, interpret,
-                                 scale=None if scale is None else jnp.pad(scale.astype(x.dtype), pad[1]))
+            out = experts_pallas(x, routing.row_pair, k, routing.block_expert, experts, interpret,
+                                 scale=None if scale is None else scale.astype(x.dtype))
         return combine(out, routing, topk_weight).astype(jnp.float32)
 
     def tpu(x, topk_idx, topk_weight, experts, interpret=False):

@@ -1,9 +1,10 @@
 """The INT4 routed experts as two grouped Mosaic GPU kernels (``plgpu.kernel``: Hopper wgmma, Blackwell tcgen05).
 
-``experts_mosaic(xs, block_expert, ex, interpret)`` takes the rows gathered by ``routing.gather_rows`` (``nb``
+``experts_mosaic(xs, block_expert, ex, interpret)`` takes the rows in ``routing.gather_rows``' order (``nb``
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
-contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``, which
-saves that gather: Hopper's TMA copies boxes, it does not gather rows). ``int4_moe_mosaic`` is the whole layer
+contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``). Hopper's
+TMA copies boxes, it does not gather rows, so the rows are gathered first: by the placement kernel itself
+(``pallas_triton.place_rows``), times the MoE norm's weight, not by an XLA kernel of their own. ``int4_moe_mosaic`` is the whole layer
 (``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.registry``).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering

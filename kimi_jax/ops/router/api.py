@@ -3,8 +3,9 @@
 ``route_topk(x, router, bias, k=..., norm_topk_prob=..., scaling=...)`` returns the k experts with the largest
 ``sigmoid(x @ router) + bias`` and their unbiased scores, renormalised and scaled (``reference.py``). With
 ``scale=`` (the MoE's RMSNorm weight) x is the normalised rows before that weight: the kernels multiply the rows
-they read, so the weighted rows need not be written for the router (XLA fuses the weight into the MoE's other
-readers: the shared expert's GEMM and the experts' row gather; one GPU op a MoE layer).
+they read, so the weighted rows need not be written for the router (the MoE's other readers take the weight too:
+XLA fuses it into the shared expert's GEMM, the experts' kernels multiply the rows they gather; one GPU op a MoE
+layer).
 
 impl="xla" (``reference.py``: the GEMM, its split-K reduction, the bias add, top-k, gather and renormalise are
 six GPU ops) or impl="pallas" (``pallas_triton.py``: two kernels), or impl="auto": the kernels where the program
