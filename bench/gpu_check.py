@@ -514,6 +514,10 @@ def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
             ops["mosaic"] = functools.partial(int4_moe_mosaic, interpret=False)
             # the default is the swapped tiling below 64 rows a touched expert; 64-row blocks for comparison
             ops["mosaic_bm64"] = functools.partial(int4_moe_mosaic, interpret=False, tiles=Tiles(block_m=64))
+            # gate/up without split K: at a token or two its grid is 32-64 CTAs, but the partial sums' two XLA
+            # kernels go (the AR step's 2 launches a MoE layer above the round's, docs/gpu_overhead.md part four)
+            ops["mosaic_no_split"] = functools.partial(int4_moe_mosaic, interpret=False,
+                                                       tiles=Tiles(splits_gate_up=1))
         for impl, op in ops.items():
             try:
                 r = timed_cycling(chain(lambda ex, x, i, wt, op=op: op(x, i, wt, ex), n),
