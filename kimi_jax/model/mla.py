@@ -50,7 +50,7 @@ def latent_projection(x, norm, p, cfg: ModelConfig, positions, inv_freq, rt: Run
                                          x, *weights, positions, inv_freq)
         with jax.named_scope("cache_write"):
             return cq, cache_lib.write(kv, page_table, layer, slots, new_rows)
-    kv_spec = spec("layers", "batch", "slots", "latent")
+    kv_spec = spec("layers", "batch", "slots", "latent")      # meshes keep contiguous caches: no page table
     return jax.shard_map(lambda *a: local(*a[:8], (a[8], None, a[9], a[10])), mesh=rt.mesh,
                          out_specs=(rows, kv_spec), check_vma=False,
                          in_specs=(rows, *[P()] * 5, pos, P(), kv_spec, P(), pos))(
