@@ -171,11 +171,13 @@ def shard_index(axes: tuple[str, ...], mesh: Mesh):
     return idx
 
 
-def mlp_split(mesh: Mesh, strategy: str | Strategy | None, width: str | None = "mlp") -> dict:
+def mlp_split(mesh: Mesh | None, strategy: str | Strategy | None, width: str | None = "mlp") -> dict:
     """How an MLP of hidden width ``width`` (a logical axis, or None: not split) runs in ``jax.shard_map`` on
-    ``mesh`` (``model.layers.residual_swiglu``'s arguments): ``mlp_axes`` its width is split over and the
-    ``rows_spec`` of its rows, split as "batch" unless the batch shares a mesh axis with the width (dp_attn splits
-    both over "dp": the rows are then gathered, as the partitioner gathers them)."""
+    ``mesh`` (``model.layers.residual_swiglu``'s arguments; none without a mesh of several devices): ``mlp_axes``
+    its width is split over and the ``rows_spec`` of its rows, split as "batch" unless the batch shares a mesh axis
+    with the width (dp_attn splits both over "dp": the rows are then gathered, as the partitioner gathers them)."""
+    if mesh is None or mesh.size == 1:
+        return {}
     st = get_strategy(strategy or infer_strategy(mesh))
     mlp_axes = st.mesh_axes(width, mesh)
     batch = st.mesh_axes("batch", mesh)

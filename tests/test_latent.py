@@ -18,7 +18,8 @@ from kimi_jax.analysis.targets import TRITON_CALL
 from kimi_jax.model.layers import yarn_frequencies
 from kimi_jax.ops.latent.api import (LATENT, MAX_ROWS, QUERIES, LatentCall, QueriesCall, absorbed_queries,
                                      latent_projection)
-from kimi_jax.ops.latent.pallas_triton import pow2_chunk, splits_for
+from kimi_jax.ops.latent.pallas_triton import CHUNK, splits_for
+from kimi_jax.ops.numerics import pow2_divisor
 from kimi_jax.ops.latent.reference import latent_reference, queries_reference
 from kimi_jax.ops.registry import Lowering
 
@@ -101,7 +102,7 @@ def test_kernel_writes_the_cache_as_cache_write_does(paged):
 def test_splits_and_chunks():
     assert splits_for(7168, 17) == 8 and splits_for(1024, 1) == 8 and splits_for(64, 1) == 1
     assert splits_for(384, 17) == 2 and splits_for(7168, 100) == 4 and splits_for(7168, 300) == 1
-    assert pow2_chunk(1536) == 512 and pow2_chunk(576) == 64 and pow2_chunk(48) == 16 and pow2_chunk(7168) == 512
+    assert [pow2_divisor(n, CHUNK) for n in (1536, 576, 48, 7168)] == [512, 64, 16, 512]
 
 
 def test_rules_over_the_shape_space():

@@ -460,10 +460,8 @@ def _mlp_split(c: DrafterConfig, rt: Runtime | None) -> dict:
     kernel on a GPU) and, under ``rt.mesh``, its width split where the weights' is (``split_axes``)."""
     if rt is None:
         return {}
-    if rt.mesh is None or rt.mesh.size == 1:
-        return dict(impl=rt.moe_impl)
-    width = "mlp" if "mlp" in split_axes(rt.mesh, rt.strategy, 1, 1, c.intermediate_size) else None
-    return dict(impl=rt.moe_impl, **sharding.mlp_split(rt.mesh, rt.strategy, width))
+    split = rt.mesh is not None and "mlp" in split_axes(rt.mesh, rt.strategy, 1, 1, c.intermediate_size)
+    return dict(impl=rt.moe_impl, **sharding.mlp_split(rt.mesh, rt.strategy, "mlp" if split else None))
 
 
 def _normed_qkv(qkv, norm, c: DrafterConfig, positions, inv_freq):

@@ -34,6 +34,11 @@ from kimi_jax.ops.router import reference as router_ref
 from kimi_jax.ops.swiglu.api import swiglu
 
 
+def _weighted(x, scale):
+    """The rows x times the MoE norm's weight ``scale`` [d], in x's dtype (x itself where scale is None)."""
+    return x if scale is None else scale * x
+
+
 def route(x, router, bias, cfg: ModelConfig, impl: str = "auto", scale=None):
     """Returns (expert ids [n, k] int32, weights [n, k] float32) for tokens ``scale * x`` [n, d] (``moe_block``).
     One expert group (K2.6) is ``ops.router`` under the MoE's ``impl`` (``Runtime.moe_impl``; its rules say which
@@ -41,7 +46,7 @@ def route(x, router, bias, cfg: ModelConfig, impl: str = "auto", scale=None):
     kw = dict(k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
     if cfg.n_group == 1:
         return router_api.route_topk(x, router, bias, scale, impl=impl, **kw)
-    scores = router_ref.scores(x if scale is None else scale * x, router)
+    scores = router_ref.scores(_weighted(x, scale), router)
     n = scores.shape[0]
     groups = router_ref.biased(scores, bias).reshape(n, cfg.n_group, -1)
     group_score = jax.lax.top_k(groups, 2)[0].sum(-1)                        # sum of each group's top-2
@@ -70,7 +75,7 @@ def float_routed_experts(x, ids, weights, experts):
 
 def _routed_f32(x, ids, weights, experts, rt: Runtime, scale=None):
     if isinstance(experts, (dict, DenseExperts)):
-        return float_routed_experts(x if scale is None else scale * x, ids, weights, experts)
+        return float_routed_experts(_weighted(x, scale), ids, weights, experts)
     return int4_moe(x, ids, weights, experts, impl=rt.moe_impl, scale=scale).astype(jnp.float32)
 
 
@@ -107,7 +112,7 @@ def moe_block(x, p, cfg: ModelConfig, rt: Runtime = Runtime(), scale=None, resid
         with jax.named_scope("experts"):
             routed = routed_experts(flat, ids, weights, p["experts"], rt, scale)
         with jax.named_scope("shared_expert"):
-            shared = swiglu(flat if scale is None else scale * flat, s["gate"], s["up"], s["down"], impl=rt.moe_impl)
+            shared = swiglu(_weighted(flat, scale), s["gate"], s["up"], s["down"], impl=rt.moe_impl)
         y = routed + shared if res is None else res + (routed + shared)
     return y.reshape(shape), loads
 
@@ -132,11 +137,10 @@ def _per_layer_specs(cfg: ModelConfig, mesh, st: sharding.Strategy):
 
 def _sharded_experts(x, scale, ids, weights, p, cfg: ModelConfig, rt: Runtime, residual=None):
     """Routed + shared experts of scale * x [n, d] (replicated; scale [d] or None) under rt.mesh -> [n, d]
-    replicated, plus ``residual``
-    (replicated, or None). The residual goes into the psum from the first device of the summed axes: the all-reduce
-    then returns the layer's output, where adding it after the all-reduce is one more GPU kernel per MoE layer
-    (its own loop fusion: nothing before the next layer's norm can take it). The sum's rounding differs from
-    ``residual + psum(y)`` by where bfloat16 rounds, not more."""
+    replicated, plus ``residual`` (replicated, or None). The residual goes into the psum from the first device of
+    the summed axes: the all-reduce then returns the layer's output, where adding it after the all-reduce is one
+    more GPU kernel per MoE layer (its own loop fusion: nothing before the next layer's norm can take it). The
+    sum's rounding differs from ``residual + psum(y)`` by where bfloat16 rounds, not more."""
     mesh = rt.mesh
     st = sharding.get_strategy(rt.strategy or sharding.infer_strategy(mesh))
     ex_specs, sh_specs = _per_layer_specs(cfg, mesh, st)
@@ -156,8 +160,8 @@ def _sharded_experts(x, scale, ids, weights, p, cfg: ModelConfig, rt: Runtime, r
             y = _routed_f32(x, ids, weights, experts, rt, scale)
         if shared is not None:
             with jax.named_scope("shared_expert"):
-                rows = x if scale is None else scale * x
-                y = y + swiglu(rows, shared["gate"], shared["up"], shared["down"], impl=rt.moe_impl).astype(jnp.float32)
+                y = y + swiglu(_weighted(x, scale), shared["gate"], shared["up"], shared["down"],
+                               impl=rt.moe_impl).astype(jnp.float32)
         if residual is not None:
             y = y + jnp.where(sharding.shard_index(sum_axes, mesh) == 0, residual, 0).astype(jnp.float32)
         y = y.astype(x.dtype)
@@ -170,7 +174,6 @@ def _sharded_experts(x, scale, ids, weights, p, cfg: ModelConfig, rt: Runtime, r
     y = fn(x, scale, ids, weights, p["experts"], shared if with_shared else None, inner)
     if not with_shared:
         with jax.named_scope("shared_expert"):
-            rows = x if scale is None else scale * x
-            y_shared = swiglu(rows, shared["gate"], shared["up"], shared["down"], impl=rt.moe_impl)
+            y_shared = swiglu(_weighted(x, scale), shared["gate"], shared["up"], shared["down"], impl=rt.moe_impl)
         y = y + y_shared
     return y if residual is None or inner is not None else residual + y

@@ -60,16 +60,9 @@ def _layer(cfg: ModelConfig, rt: Runtime, moe: bool, attn_form: str, ctx: LayerC
         h = rms_norm(x, layer_params["mlp_norm"], cfg.rms_norm_eps)
     m = layer_params["mlp"]
     with jax.named_scope("dense_mlp"):
-        return residual_swiglu(x, h, m["gate"], m["up"], m["down"], impl=rt.moe_impl, **_mlp_split(rt)), kv, None
-
-
-def _mlp_split(rt: Runtime) -> dict:
-    """``residual_swiglu``'s mesh arguments for the dense MLP under ``rt.mesh``: its width split as the strategy
-    splits "mlp", its rows as it splits "batch" where those are other mesh axes (dp_attn splits both over "dp":
-    there the rows are gathered, as the partitioner gathers them for the MoE)."""
-    if rt.mesh is None or rt.mesh.size == 1:
-        return {}
-    return sharding.mlp_split(rt.mesh, rt.strategy, "mlp")
+        # its width split as the strategy splits "mlp" (sharding.mlp_split)
+        return residual_swiglu(x, h, m["gate"], m["up"], m["down"], impl=rt.moe_impl,
+                               **sharding.mlp_split(rt.mesh, rt.strategy)), kv, None
 
 
 class ForwardOut(NamedTuple):

@@ -19,6 +19,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= ``cap`` that divides n (1 for odd n): a Triton tile along a dimension of n."""
+    c = 1
+    while c * 2 <= cap and n % (c * 2) == 0:
+        c *= 2
+    return c
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Variance in float32, cast back to the input dtype, then scale (the HF order of operations)."""
     return weight * rms_normalize(x, eps)

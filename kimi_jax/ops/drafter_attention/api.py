@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.drafter_attention.pallas_triton import MAX_GROUP, attend_pallas
 from kimi_jax.ops.drafter_attention.reference import attend_reference
-from kimi_jax.ops.registry import Implementation, Lowering, Op, always
+from kimi_jax.ops.registry import Implementation, Lowering, Op, always, with_reference_jvp
 from kimi_jax.ops.tree_attention.pallas_triton import MIN_DOT
 
 MAX_BLOCK_TOKENS = 256      # a drafter block; wider calls are training's packed blocks, which XLA serves
@@ -119,19 +118,8 @@ def attend(qkv, k_ctx, v_ctx, visible, *, layer=None, impl: str = "auto", interp
         q, k_blk, v_blk = unpack_qkv(qkv)
         return attend_reference(q, k_ctx[layer[0]], v_ctx[layer[0]], k_blk, v_blk, visible)
 
-    def pallas(*operands, interpret):
-        kernel = jax.custom_jvp(lambda qkv, k_ctx, v_ctx, visible, layer: attend_pallas(
-            qkv, k_ctx, v_ctx, visible, layer, interpret=interpret))
-
-        # pallas_call has no derivative; the kernel computes the reference's function, so the reference's
-        # derivative stands in (training differentiates through the drafter)
-        @kernel.defjvp
-        def _(primals, tangents):
-            return kernel(*primals), jax.jvp(reference, primals, tangents)[1]
-
-        return kernel(*operands)
-
     call = DrafterAttentionCall(t, kv_heads * (slots - 2), kv_heads, hd, s,
                                 tuple(jnp.dtype(x.dtype).name for x in (qkv, k_ctx, v_ctx)))
     return DRAFTER_ATTENTION.dispatch(call, (qkv, k_ctx, v_ctx, visible, layer), impl=impl, interpret=interpret,
-                                      run={"pallas": pallas, "xla": reference})
+                                      run={"pallas": with_reference_jvp(attend_pallas, reference, {}),
+                                           "xla": reference})

@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as pltriton
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
 from kimi_jax.ops.int4_moe.routing import Routing, gather_rows, num_blocks, sort_by_expert
 from kimi_jax.ops import registry
-from kimi_jax.ops.numerics import F32, next_pow2
+from kimi_jax.ops.numerics import F32, next_pow2, pow2_divisor
 from kimi_jax.ops.registry import Implementation, Lowering, Op, always
 from kimi_jax.ops.select import lowering_tiles
 
@@ -77,10 +77,8 @@ TILES = {"": Tiles(), "RTX PRO 6000": Tiles(num_warps=8)}
 
 def _block_n(n: int, target: int) -> int:
     """Largest power of two <= target that divides n (Triton loads need power-of-two tiles, dots >= 16)."""
-    bn = target
-    while bn > 16 and n % bn:
-        bn //= 2
-    if n % bn:
+    bn = pow2_divisor(n, target)
+    if bn < 16:
         raise ValueError(f"impl='pallas' needs the expert dims to be multiples of 16, got {n}; use impl='xla'")
     return bn
 

@@ -61,8 +61,8 @@ def pallas_supports(call: LatentCall, lowering: Lowering) -> str | None:
 
 LATENT = Op("latent projection", (
     Implementation("pallas", pallas_supports,
-                   f"any GPU (interpret mode elsewhere); compiled: 16-bit rows; the rope width a power of two; auto: at "
-                   f"most {MAX_ROWS} rows", auto=decode_width),
+                   "any GPU (interpret mode elsewhere); compiled: 16-bit rows; the rope width a power of two; auto: "
+                   f"at most {MAX_ROWS} rows", auto=decode_width),
     Implementation("xla", always, "every call"),
 ), stand_ins=(("mosaic", "pallas"), ("tpu", "xla")))
 

@@ -13,9 +13,9 @@ cache write with the key's RoPE): five launches a layer (with the attention's no
    at the page and offset of its slot; or returned as rows).
 
 Two launches where XLA has five. The rounding differs from the reference's in one place: the GEMM reads
-``norm * x`` rounded to x's dtype where the reference reads ``norm * bf16(x / rms(x))``. Tiles: power-of-two column chunks that divide each width (Triton tensors are powers
-of two), at most ``CHUNK`` wide; RoPE pairs by a gather of the swapped column (``i ^ 1``). Nothing measured on a
-GPU yet.
+``norm * x`` rounded to x's dtype where the reference reads ``norm * bf16(x / rms(x))``. Tiles: power-of-two
+column chunks that divide each width (Triton tensors are powers of two), at most ``CHUNK`` wide; RoPE pairs by a
+gather of the swapped column (``i ^ 1``). Nothing measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -28,19 +28,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.ops.numerics import F32, next_pow2
+from kimi_jax.ops.numerics import F32, next_pow2, pow2_divisor
 
 CHUNK = 512          # widest column chunk: [splits, 512] float32 partial sums (4096 values) in 4 warps' registers
 SPLITS = 8           # K splits of the GEMM at a few rows: K2.6's 7168 inputs as 8 x 896 (what XLA's split-K picks)
 SPLIT_ROWS = 512     # fewer splits as the rows grow: rows x splits stays <= this (enough GEMM tiles without them)
-
-
-def pow2_chunk(n: int, cap: int = CHUNK) -> int:
-    """The largest power of two <= cap that divides n."""
-    c = 1
-    while c * 2 <= cap and n % (c * 2) == 0:
-        c *= 2
-    return c
 
 
 def splits_for(d: int, rows: int) -> int:
@@ -85,7 +77,7 @@ def _kernel(x_ref, nq_ref, nkv_ref, cos_ref, sin_ref, parts_ref, *refs, eps: flo
 
     def row_sum_sq(width, load):
         """sum of squares of ``load(cols)`` over ``width`` columns, a power-of-two chunk at a time."""
-        c = pow2_chunk(width)
+        c = pow2_divisor(width, CHUNK)
         return jax.lax.fori_loop(0, width // c, lambda i, acc: acc + jnp.sum(
             jnp.square(load(pl.ds(i * c, c)))), jnp.float32(0))
 
@@ -96,7 +88,7 @@ def _kernel(x_ref, nq_ref, nkv_ref, cos_ref, sin_ref, parts_ref, *refs, eps: flo
         return (jnp.sum(parts_ref[:, t, pl.ds(base + c, size)], axis=0) * inv_rms).astype(dtype).astype(F32)
 
     def normed(base, width, weight_ref, out):   # RMSNorm of columns base + [0, width): out(cols, value)
-        c = pow2_chunk(width)
+        c = pow2_divisor(width, CHUNK)
         scale = jax.lax.rsqrt(row_sum_sq(width, lambda cols: latent(base, cols.start, c)) / width + latent_eps)
 
         def write(i, _):
@@ -152,8 +144,7 @@ def latent_pallas(x, norm, q_a, kv_a, q_a_norm, kv_a_norm, positions, inv_freq, 
         slots = slots.reshape(-1, slots.shape[-1]).astype(jnp.int32)
         if page_table is None:          # one page a row (cache.locate's contiguous case)
             page_table = np.arange(slots.shape[0], dtype=np.int32)[:, None]
-        operands += (np.asarray(layer, np.int32).reshape(1) if isinstance(layer, (int, np.integer)) else
-                     jnp.asarray(layer, jnp.int32).reshape(1), slots, jnp.asarray(page_table, jnp.int32), kv)
+        operands += (jnp.asarray(layer, jnp.int32).reshape(1), slots, jnp.asarray(page_table, jnp.int32), kv)
         out_shape.append(jax.ShapeDtypeStruct(kv.shape, kv.dtype))
     cq, out = pl.pallas_call(
         functools.partial(_kernel, eps=eps, latent_eps=latent_eps, to_cache=cache is not None),
@@ -184,7 +175,7 @@ def _queries_kernel(parts_ref, kv_b_ref, cos_ref, sin_ref, q_lat_ref, q_pe_ref, 
         return jnp.sum(parts_ref[:, :, cols], axis=0).astype(dtype)
 
     q_nope = q(pl.ds(0, nope))
-    c = pow2_chunk(r, 128)
+    c = pow2_divisor(r, 128)
     for j in range(r // c):         # q_lat = q_nope W_UK^T, a chunk of latent columns at a time
         w_uk = kv_b_ref[pl.ds(j * c, c), pl.ds(0, nope)]                  # [c, nope]
         q_lat_ref[:, pl.ds(j * c, c)] = jax.lax.dot_general(

@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from kimi_jax.ops.router.pallas_triton import Tiles, block, route_pallas
 from kimi_jax.ops.router.reference import route_reference
-from kimi_jax.ops.registry import Implementation, Lowering, Op, always
+from kimi_jax.ops.registry import Implementation, Lowering, Op, always, with_reference_jvp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,21 +64,9 @@ def route_topk(x, router, bias, scale=None, *, k: int, norm_topk_prob: bool, sca
     weights [T, k] float32)."""
     if scale is None:
         scale = jnp.ones(x.shape[-1:], x.dtype)
-    reference = functools.partial(route_reference, k=k, norm_topk_prob=norm_topk_prob, scaling=scaling)
-
-    def pallas(x, router, bias, scale, *, interpret):
-        kernel = jax.custom_jvp(functools.partial(route_pallas, k=k, norm_topk_prob=norm_topk_prob,
-                                                  scaling=scaling, interpret=interpret))
-
-        # pallas_call has no derivative; the kernel computes the reference's function, so the reference's
-        # derivative stands in (training differentiates through the router on every platform).
-        @kernel.defjvp
-        def _(primals, tangents):
-            return kernel(*primals), jax.jvp(reference, primals, tangents)[1]
-
-        return kernel(x, router, bias, scale)
-
+    kw = dict(k=k, norm_topk_prob=norm_topk_prob, scaling=scaling)
     dtype = jnp.promote_types(jnp.result_type(x, scale), router.dtype)
     call = RouterCall(x.shape[1], router.shape[1], k, dtype.name)
     return ROUTER.dispatch(call, (x, router, bias, scale), impl=impl,
-                           interpret=interpret, run={"pallas": pallas, "xla": reference})
+                           interpret=interpret, run={"pallas": with_reference_jvp(route_pallas, route_reference, kw),
+                                                     "xla": functools.partial(route_reference, **kw)})

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.ops.numerics import F32
+from kimi_jax.ops.numerics import F32, pow2_divisor
 from kimi_jax.ops.select import lowering_tiles
 
 
@@ -57,9 +57,7 @@ TILES = {"": Tiles(), "RTX PRO 6000": Tiles(block_k=128)}
 
 def block(n: int, target: int) -> int | None:
     """The largest power of two in [16, target] that divides n, or None (the kernels need one)."""
-    b = target
-    while b >= 16 and n % b:
-        b //= 2
+    b = pow2_divisor(n, target)
     return b if b >= 16 else None
 
 

@@ -3,9 +3,10 @@
 impl="xla" (``reference.py``; three GPU launches at decode widths: the gate|up GEMM split over K, the partial
 sums with silu(g) * u, the down GEMM) or impl="pallas" (``pallas_triton.py``: a split-K GEMM and one kernel), or
 impl="auto": the kernel where the program is lowered for a GPU and the call is a decode or verify width (it takes
-every width; prefills are XLA's), XLA elsewhere (``kimi_jax.ops.registry``; the rules: ``SWIGLU``). The model calls it for the MoE's shared expert on
-each device's slice (inside the experts' shard_map) with the MoE's impl: "mosaic" is served by the Triton kernel,
-"tpu" by XLA.
+every width; prefills are XLA's), XLA elsewhere (``kimi_jax.ops.registry``; the rules: ``SWIGLU``). The model calls
+it for the MoE's shared expert on each device's slice (inside the experts' shard_map), and for the dense layer's
+and the drafter's MLPs (``model.layers.residual_swiglu``), with the MoE's impl: "mosaic" is served by the Triton
+kernel, "tpu" by XLA.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.ops.latent.pallas_triton import pow2_chunk, splits_for
-from kimi_jax.ops.numerics import F32, next_pow2
+from kimi_jax.ops.latent.pallas_triton import splits_for
+from kimi_jax.ops.numerics import F32, next_pow2, pow2_divisor
 from kimi_jax.ops.select import lowering_tiles
 
 
@@ -48,7 +48,7 @@ TILES = {"": Tiles(), "RTX PRO 6000": Tiles(f_chunk=32, num_stages=1)}
 def _kernel(parts_ref, down_ref, o_ref, *, f: int, f_chunk: int):
     """parts [S, rows, 2F] (float32 partial sums of x @ [gate | up]), down [F, cols] -> o [rows, cols]."""
     dtype = o_ref.dtype
-    c = pow2_chunk(f, f_chunk)
+    c = pow2_divisor(f, f_chunk)
 
     def chunk(i, acc):
         g = jnp.sum(parts_ref[:, :, pl.ds(i * c, c)], axis=0).astype(dtype).astype(F32)
@@ -74,7 +74,7 @@ def swiglu_pallas(x, gate, up, down, *, interpret: bool = False, tiles: Tiles | 
     w = jnp.concatenate([gate, up], axis=-1)
     parts = jnp.einsum("tsk,skn->stn", flat.reshape(t, s, d // s), w.reshape(s, d // s, 2 * f),
                        preferred_element_type=F32)                              # [s, t, 2F]
-    bt, bn = min(tiles.rows, max(16, next_pow2(t))), pow2_chunk(n_out, tiles.cols)
+    bt, bn = min(tiles.rows, max(16, next_pow2(t))), pow2_divisor(n_out, tiles.cols)
     out = pl.pallas_call(
         functools.partial(_kernel, f=f, f_chunk=tiles.f_chunk),
         grid=(pl.cdiv(t, bt), n_out // bn),
