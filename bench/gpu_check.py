@@ -514,8 +514,8 @@ def moe_bandwidth(plan: Plan, ctx: dict, rec: dict) -> None:
             ops["mosaic"] = functools.partial(int4_moe_mosaic, interpret=False)
             # the default is the swapped tiling below 64 rows a touched expert; 64-row blocks for comparison
             ops["mosaic_bm64"] = functools.partial(int4_moe_mosaic, interpret=False, tiles=Tiles(block_m=64))
-            # gate/up without split K: at a token or two its grid is 32-64 CTAs, but the partial sums' two XLA
-            # kernels go (the AR step's 2 launches a MoE layer above the round's, docs/gpu_overhead.md part four)
+            # gate/up without split K: at a token or two its grid is 32-64 CTAs of 28 chunks each, against a
+            # cluster of 7 splits a tile that sums in the kernel (docs/mosaic_gpu.md): whether splitting pays
             ops["mosaic_no_split"] = functools.partial(int4_moe_mosaic, interpret=False,
                                                        tiles=Tiles(splits_gate_up=1))
         for impl, op in ops.items():

@@ -1,6 +1,6 @@
-"""GPU ops per MoE layer, per named scope, of a K2.6-shaped DDTree round with 3 layers.
+"""GPU ops per MoE layer, per named scope, of a K2.6-shaped DDTree round (or AR step) with 3 layers.
 
-    python -m bench.layer_ops [--target h200 b200] [--devices 8] [--json out.json] [--no-split-k]
+    python -m bench.layer_ops [--target h200 b200] [--devices 8] [--json out.json] [--no-split-k] [--method ar]
 
 Compiles, with no GPU present, one whole DDTree round (budget 16: a 17-token verify; batch 1, 4096 cache slots)
 of K2.6 cut to 3 layers (``first_k_dense_replace=1``: one dense layer and 2 MoE layers, every width K2.6's; INT4
@@ -40,9 +40,10 @@ def small_k26():
 
 
 def count_round(target: str = "h200", devices: int = 8, keep: str | None = None, split_k: bool = True,
-                impl: str = "auto") -> dict:
+                impl: str = "auto", method: str = "ddtree") -> dict:
     """thunks' count dict (gpu_ops, by_scope, ...) of the small round for ``devices`` x ``target``, TP.
-    ``keep``: leave XLA's dump there (``thunks.compile_dumped``); ``split_k``: ``Runtime.split_k``."""
+    ``keep``: leave XLA's dump there (``thunks.compile_dumped``); ``split_k``: ``Runtime.split_k``; ``method``:
+    "ddtree" or "ar" (one plain decoding step: its one-token forward is also scoped "verify")."""
     from kimi_jax.analysis import target_sweep, targets, thunks
     from kimi_jax.config import Runtime, compile_options
 
@@ -55,7 +56,7 @@ def count_round(target: str = "h200", devices: int = 8, keep: str | None = None,
         try:
             with targets.lowering_for(mesh):
                 _, got = target_sweep.compile_round(
-                    cfg, dcfg, mesh, "tp", "ddtree", 1, 16, 4096, split=True, impl=impl,
+                    cfg, dcfg, mesh, "tp", method, 1, 16, 4096, split=True, impl=impl,
                     compile=lambda lowered: thunks.compile_dumped(lowered, options, target_sweep.SCOPES, keep))
             break
         except Exception as err:  # noqa: BLE001
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="leave XLA's dump of each target under KEEP/<target>")
     ap.add_argument("--impl", default="auto", help="both kernels' Runtime choice (auto, pallas, mosaic)")
     ap.add_argument("--no-split-k", action="store_true", help="compile as Runtime(split_k=False) does")
+    ap.add_argument("--method", default="ddtree", choices=("ddtree", "ar"),
+                    help="the DDTree round (a 17-token verify) or the AR step (a one-token forward)")
     args = ap.parse_args(argv)
     from kimi_jax.analysis import targets
     rows = {}
@@ -103,14 +106,15 @@ def main(argv=None) -> int:
             raise SystemExit(reason)
         t0 = time.perf_counter()
         got = count_round(target, args.devices, args.keep and os.path.join(args.keep, target), not args.no_split_k,
-                          args.impl)
+                          args.impl, args.method)
         rows[target] = dict(gpu_ops=got["gpu_ops"], host_launches=got["host_launches"], spills=got["spills"],
                             per_layer=per_layer(got["by_scope"]), by_scope=got["by_scope"],
                             moe_layer_ops=moe_layer_ops(got["by_scope"]),
                             compile_s=round(time.perf_counter() - t0, 1))
         r = rows[target]
-        print(f"## {target} x {args.devices}, TP: round {r['gpu_ops']} GPU ops, {r['host_launches']} host launches "
-              f"({r['compile_s']} s){'; a kernel spills registers (compiled with spills allowed)' if got['spills'] else ''}")
+        spills = "; a kernel spills registers (compiled with spills allowed)" if got["spills"] else ""
+        print(f"## {target} x {args.devices}, TP, {args.method}: round {r['gpu_ops']} GPU ops, "
+              f"{r['host_launches']} host launches ({r['compile_s']} s){spills}")
         print("| verify scope | ops per layer (MoE scopes: per MoE layer) |\n|---|---|")
         for s, n in r["per_layer"].items():
             print(f"| {s} | {n:g} |")

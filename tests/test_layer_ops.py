@@ -54,3 +54,21 @@ def test_moe_layer_ops_for_h200(impl, experts, round_ops):
     fixed = {scope: n for scope, n in got["by_scope"].items() if not scope.startswith("verify")}
     assert sum(fixed.values()) <= 151 and fixed["build_tree"] <= 38 and fixed["accept"] <= 9, fixed
     assert fixed["draft/drafter"] <= 74 and fixed["commit/drafter"] <= 6, fixed   # packed q/k/v, SwiGLU kernels
+
+
+@pytest.mark.compile
+@pytest.mark.slow     # one ~20 s compile on a 2-core CPU
+@pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+def test_ar_step_layer_ops_for_h200():
+    """The AR step (a one-token forward) launches per layer what the DDTree round's verify does: at one token the
+    Mosaic GPU gate/up kernel splits K over a cluster and sums the splits itself (experts 5 -> 3 a MoE layer;
+    before, XLA summed the partials and applied silu(g) * u in two fusions). Its qkv_proj holds one op more than
+    the round's, once a step, not a layer: the RoPE table at the step's position (two broadcast fusions, the
+    round's one cos/sin fusion), so 4 a layer + 2."""
+    from bench import layer_ops
+
+    got = layer_ops.count_round("h200", 8, method="ar")
+    per = layer_ops.per_layer(got["by_scope"])
+    assert per["experts"] <= 3 and per["router"] <= 2 and per["shared_expert"] <= 2, per
+    assert per["attend"] <= 7 / 3 and per["qkv_proj"] <= 14 / 3 and per["o_proj"] <= 2 and per["norm"] <= 1, per
+    assert got["gpu_ops"] <= 85 and got["host_launches"] == 1, got["by_scope"]

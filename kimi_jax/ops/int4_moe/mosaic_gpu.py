@@ -4,8 +4,9 @@
 row blocks of ``bm`` rows, one expert per block, expert -1 = unused) and returns float32 ``[nb * bm, D]``: the
 contract the Triton kernel had before it read its own rows of ``x`` (``pallas_triton.experts_pallas``). Hopper's
 TMA copies boxes, it does not gather rows, so the rows are gathered first: by the placement kernel itself
-(``pallas_triton.place_rows``), times the MoE norm's weight, not by an XLA kernel of their own. ``int4_moe_mosaic`` is the whole layer
-(``api.int4_moe``'s impl="mosaic", and "auto" on Hopper: ``kimi_jax.ops.registry``).
+(``pallas_triton.place_rows``), times the MoE norm's weight, not by an XLA kernel of their own.
+``int4_moe_mosaic`` is the whole layer (``api.int4_moe``'s impl="mosaic", and "auto" on Hopper:
+``kimi_jax.ops.registry``).
 
 Kernel structure (both projections): grid ``(nb, N / cta_n)`` CTAs of one warpgroup (Warpgroup lowering
 semantics). CTA ``(b, n)`` reads its block's expert id from global memory, skips the block when it is -1, and
@@ -31,8 +32,9 @@ warpgroup finished with it (wgmmas waited for, ordinary loads fenced by ``commit
 
 gate/up stacks the gate and up tiles of the same ``bn`` columns and writes ``h = silu(g) * u`` in the
 activation dtype; down stacks two adjacent ``bn``-column tiles of ``w2`` and writes float32. Where gate/up's grid
-is small (one token: 8 blocks x 4 column tiles), it splits K instead (``gate_up_splits``) and writes float32
-partial sums of gate and up, which XLA sums before ``silu(g) * u``. Why stacked word
+is small (one token: 8 blocks x 4 column tiles), it splits K over a cluster of CTAs (``gate_up_splits``, at
+most 8); the cluster's first CTA sums the others' float32 partial sums, read back from global memory after a
+cluster barrier, and writes ``h`` (``_reduce_splits``): one launch, as without splits. Why stacked word
 tiles and 64-byte swizzles: docs/mosaic_gpu.md.
 
 Two tilings, chosen by the routing block ``bm`` (``Tiles.block_m``; by default the next power of two of the
@@ -44,8 +46,8 @@ mean rows per touched expert, in [8, 64]):
 - ``bm`` = 8, 16 or 32 rows, **swapped**: the weight columns fill wgmma's M (``bn = 64``) and the block's rows are
   its N (a multiple of 8): ``acc [64, bm] += q^T [64, 32] x^T [32, bm]``, both operands transposed views of the
   same smem tiles (16-bit wgmma reads either major order). gate/up stores ``h`` through a transposed view of a
-  ``[rows, N]`` smem tile, so it leaves the kernel as down reads it; down's output and split-K partial sums
-  leave ``[N, rows]``, and their transposes fuse into ``combine``'s gather and the split sum. At K2.6 decode this cuts
+  ``[rows, N]`` smem tile, so it leaves the kernel as down reads it; down's output leaves ``[N, rows]``, and its
+  transpose fuses into ``combine``'s gather. At K2.6 decode this cuts
   the gathered and written rows 8-fold (bm 8 instead of 64) and the x tiles in smem from 32 to 4 KiB a stage.
 
 Blackwell (B200/B300, sm_100a/sm_103a, ``Tiles.mma = "tcgen05"``, by default where the kernel is lowered for
@@ -58,13 +60,13 @@ one CTA: M = 64 takes a CTA pair on Mosaic GPU) and row blocks of 16 or more (TM
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.ops.int4_format import CHUNK, GROUP_SIZE, WORD_ROWS, Int4Experts
@@ -77,6 +79,7 @@ TC_M = 128               # tcgen05's M for one CTA (Blackwell): the weight colum
 GROUPS = CHUNK // GROUP_SIZE   # 8 scale groups (nibble planes) per 256-input chunk
 TARGET_CTAS = 132        # H200's SMs: gate/up splits K until its grid has at least this many CTAs
 MIN_CHUNKS_PER_SPLIT = 4
+MAX_CLUSTER = 8          # the portable cluster size: gate/up's K splits are one cluster's CTAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +133,10 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     tile ``m`` = matrix ``m``, columns ``n*bn``. ``pair_cols=True`` (down, ``M = 1``): tile ``m`` = columns
     ``(2n + m)*bn`` of the one matrix. ``epilogue(acc_0, acc_1)`` makes one output tile at the CTA's columns;
     with ``epilogue=None`` each accumulator is written at its own tile's place in the ``[M * N]`` columns.
-    ``splits`` > 1 splits K (grid axis "k", ``K/256 / splits`` chunks each; for ``epilogue=None``): the output
-    is ``[splits, rows, M * N]`` partial sums (swapped: ``[splits, M * N, rows]``); the leading axis is there
-    (of size 1) without splits too.
+    ``splits`` > 1 splits K over a cluster of ``splits`` CTAs (cluster axis "k", ``K/256 / splits`` chunks each):
+    CTA ``k > 0`` publishes its two float32 accumulators to a workspace in global memory; after one cluster
+    barrier CTA 0 reads them back, adds them to its own and runs the epilogue (``_reduce_splits``). The output
+    has a leading axis of size 1.
 
     Stacking two 32-row word tiles makes the register tile 64 rows, which Mosaic GPU's layout inference can store
     into a swizzled shared-memory tile (a 32-row int32 tile cannot: "Failed to infer a possible set of layouts",
@@ -150,23 +154,31 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     if not tc and ((bm if swap else bn) % 8 or (bn if swap else bm) != WGMMA_M):
         raise ValueError(f"the Mosaic GPU kernel takes row blocks of {WGMMA_M} rows and {GROUP_SIZE}-column "
                          f"weight tiles, or fewer rows (a multiple of 8) and {WGMMA_M}-column tiles; got {bm}, {bn}")
-    if n % cta_n or xs.shape[1] != splits * n_chunks * CHUNK or (splits > 1 and epilogue is not None):
-        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}, splits {splits} (partial sums only)")
+    if n % cta_n or xs.shape[1] != splits * n_chunks * CHUNK or (splits > 1 and epilogue is None):
+        raise ValueError(f"shapes: xs {xs.shape}, w {w.shape}, bn {bn}, splits {splits} (with an epilogue only)")
+    if splits > MAX_CLUSTER:
+        raise ValueError(f"at most {MAX_CLUSTER} K splits (a cluster of CTAs), got {splits}")
     x_dtype = xs.dtype
     n_out = 2 if epilogue is None else 1
     width = n_mats * n if epilogue is None else n
     acc_shape = (bn, bm) if swap else (bm, bn)
     # Swapped, the accumulators are [N, rows]. With an epilogue (gate/up's h, read next by down as its rows) the
     # tile is stored through a transposed view of a [rows, N] smem tile, so h leaves the kernel [rows, N] and
-    # needs no transpose kernel; partial sums and down's output stay [N, rows] (their transposes fuse into the
-    # split sum and combine's gather).
+    # needs no transpose kernel; down's output stays [N, rows] (its transpose fuses into combine's gather).
     out_t = swap and epilogue is not None
     o_shape = acc_shape[::-1] if out_t else acc_shape
 
-    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, x_smem, w_smem, s_smem, q_smem, o_smem, bars, *tmem):
+    def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *refs):
+        if splits > 1:      # the ring's refs and the exchange tiles, aliased (a RefUnion's leaves)
+            ws_gmem, ring, q_smem, o_smem, bars, *split_bars = refs
+            split_bars, tmem = split_bars[:2], split_bars[2:]
+            (x_smem, w_smem, s_smem), exchange = ring
+        else:
+            ws_gmem, exchange, split_bars = None, None, None
+            (x_smem, w_smem, s_smem), q_smem, o_smem, bars, *tmem = refs
         b = lax.axis_index("b")
         j = lax.axis_index("n")
-        c0 = lax.axis_index("k") * n_chunks     # this split's first chunk
+        c0 = lax.axis_index("k") * n_chunks if splits > 1 else 0    # this split's first chunk
         e = be_gmem[b]
 
         def src(m):      # (matrix, first column) of weight tile m
@@ -237,43 +249,116 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
 
                 return lax.fori_loop(0, GROUPS, group, accs)
 
+            def store(accs):    # the CTA's output tiles (the epilogue's one, or both accumulators)
+                outs = accs if epilogue is None else (epilogue(*accs),)
+                for m, out in enumerate(outs):
+                    if out_t:
+                        o_smem.at[m].transpose((1, 0))[...] = out.astype(out_dtype)
+                    else:
+                        o_smem[m] = out.astype(out_dtype)
+                plgpu.commit_smem()
+                for m in range(n_out):
+                    mat, col = src(m)
+                    rows, cols = pl.ds(b * bm, bm), pl.ds(mat * n + col if epilogue is None else col, bn)
+                    plgpu.copy_smem_to_gmem(o_smem.at[m],
+                                            o_gmem.at[0].at[(cols, rows) if swap and not out_t else (rows, cols)])
+                plgpu.wait_smem_to_gmem(0)
+
             zeros = tuple(jnp.zeros(acc_shape, F32) for _ in range(2))
             accs = lax.fori_loop(0, n_chunks, chunk, zeros)
-            outs = accs if epilogue is None else (epilogue(*accs),)
-            for m, out in enumerate(outs):
-                if out_t:
-                    o_smem.at[m].transpose((1, 0))[...] = out.astype(out_dtype)
-                else:
-                    o_smem[m] = out.astype(out_dtype)
-            plgpu.commit_smem()
-            for m in range(n_out):
-                mat, col = src(m)
-                rows, cols = pl.ds(b * bm, bm), pl.ds(mat * n + col if epilogue is None else col, bn)
-                dst = o_gmem.at[lax.axis_index("k")]
-                plgpu.copy_smem_to_gmem(o_smem.at[m], dst.at[(cols, rows) if swap and not out_t else (rows, cols)])
-            plgpu.wait_smem_to_gmem(0)
+            if splits == 1:
+                store(accs)
+            else:
+                _reduce_splits(accs, splits, ws_gmem.at[:, b, j], exchange, split_bars, store, interpret)
 
     n_copies = GROUPS + 4
+    out = jax.ShapeDtypeStruct((1, width, xs.shape[0]) if swap and not out_t else (1, xs.shape[0], width), out_dtype)
+    ring = (plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
+            plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
+            plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype))
+    if splits > 1:
+        # the workspace: [splits - 1, blocks, column tiles, 2, *acc_shape] float32 (one box per CTA k > 0); the
+        # exchange tiles CTA 0 reads it into share the ring's memory (the ring is idle once K is done)
+        ws_tile = (2, *acc_shape)
+        out = (out, jax.ShapeDtypeStruct((splits - 1, nb, n // cta_n, *ws_tile), F32))
+        ring = plgpu.RefUnion(ring, plgpu.SMEM((splits - 1, *ws_tile), F32, transforms=_swizzled(acc_shape[1], F32)))
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(
-            (splits, width, xs.shape[0]) if swap and not out_t else (splits, xs.shape[0], width), out_dtype),
-        grid=(nb, n // cta_n, splits),
-        grid_names=("b", "n", "k"),
+        out_type=out,
+        grid=(nb, n // cta_n),
+        grid_names=("b", "n"),
+        **(dict(cluster=(splits,), cluster_names=("k",)) if splits > 1 else {}),
         scratch_types=[
-            plgpu.SMEM((stages, GROUPS, bm, GROUP_SIZE), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
-            plgpu.SMEM((stages, 2 * WORD_ROWS, bn), jnp.int32),
-            plgpu.SMEM((stages, 2, GROUPS, bn), s.dtype),
+            ring,
             # 64-byte swizzle for both wgmma operands (their swizzles must agree; 32 K elements = 64 B)
             plgpu.SMEM((2 * GROUP_SIZE, bn), x_dtype, transforms=_swizzled(GROUP_SIZE, x_dtype)),
             plgpu.SMEM((n_out, *o_shape), out_dtype, transforms=_swizzled(o_shape[1], out_dtype)),
             plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
-        ] + ([plgpu.TMEM((bn, max(2 * bm, 32)), F32),       # TMEM is allocated 32 columns at the least
-              plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if tc else []),
+        ] + ([plgpu.Barrier(num_arrivals=splits - 1), plgpu.ClusterBarrier(collective_axes=("k",))]
+             if splits > 1 else []) + (
+            [plgpu.TMEM((bn, max(2 * bm, 32)), F32),       # TMEM is allocated 32 columns at the least
+             plgpu.Barrier(num_arrivals=1, orders_tensor_core=True)] if tc else []),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_interpret_params(interpret),
     )
-    return kernel(block_expert, xs, w, s)
+    out = kernel(block_expert, xs, w, s)
+    return out[0] if splits > 1 else out
+
+
+def _reduce_splits(accs, splits, ws, exchange, bars, store, interpret):
+    """The cluster's split-K sum: CTA ``k > 0`` of the cluster writes its accumulators to ``ws[k - 1]`` (its own
+    box in global memory), every CTA arrives at the cluster barrier, and CTA 0, once all have, reads the
+    ``splits - 1`` boxes into ``exchange`` (one TMA each), adds them to its own accumulators and ``store``s.
+
+    Why global memory and not the peers' shared memory (``cluster_ref``): GPU interpret mode runs the former and
+    not the latter, and the boxes are a few KiB (``2 x 64 x 8`` floats at one token), read from L2. Why a cluster:
+    its CTAs are co-scheduled, so CTA 0 can wait for the others without a grid-wide semaphore, which would need a
+    zeroed buffer, one memset more a layer. The exchange tiles alias the copy ring, idle after the K loop."""
+    split_bar, cluster_bar = bars
+    k = lax.axis_index("k")
+    # every thread past its last ordinary loads of the ring (the last group's scales) before the exchange tiles,
+    # which alias it, are written: by this warpgroup's stores, or by CTA 0's TMA (hence the async-proxy fence)
+    plgpu.commit_smem()
+
+    @pl.when(k > 0)
+    def _():
+        for m in range(2):
+            exchange[0, m] = accs[m]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(exchange.at[0], ws.at[k - 1])
+        plgpu.wait_smem_to_gmem(0)      # the writes done, not only the reads of shared memory
+        _fence_cluster(interpret)
+
+    plgpu.barrier_arrive(cluster_bar)
+    plgpu.barrier_wait(cluster_bar)
+
+    @pl.when(k == 0)
+    def _():
+        _fence_cluster(interpret)
+        for i in range(splits - 1):
+            plgpu.copy_gmem_to_smem(ws.at[i], exchange.at[i], split_bar)
+        plgpu.barrier_wait(split_bar)
+        total = list(accs)
+        for i in range(splits - 1):
+            for m in range(2):
+                total[m] = total[m] + exchange[i, m]
+        store(tuple(total))
+
+
+def _fence_cluster(interpret):
+    """Orders one CTA's global memory accesses with another's in the cluster around the cluster barrier (whose
+    mbarrier arrive and wait order at CTA scope only), the TMA's async proxy included: ``fence.acq_rel.cluster``
+    and ``fence.proxy.async.global``, then a warpgroup barrier so that the one thread that issued the TMA store
+    has fenced before any thread arrives. Nothing in GPU interpret mode, which has no memory model to fence."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        mgpu_utils.inline_ptx("fence.proxy.async.global;\n\tfence.acq_rel.cluster;", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+
+    fence()
 
 
 def _swiglu(g, u):
@@ -283,8 +368,9 @@ def _swiglu(g, u):
 def gate_up_splits(ctas: int, n_chunks: int) -> int:
     """K splits for gate/up: the fewest that give ``TARGET_CTAS`` CTAs (at one token K2.6's gate/up has 8 blocks x
     4 column tiles = 32 CTAs, a quarter of the SMs, each unpacking a 7168 x 128 slice), keeping at least
-    ``MIN_CHUNKS_PER_SPLIT`` chunks a split for the copy ring."""
-    fits = [s for s in range(1, n_chunks + 1) if n_chunks % s == 0 and n_chunks // s >= MIN_CHUNKS_PER_SPLIT] or [1]
+    ``MIN_CHUNKS_PER_SPLIT`` chunks a split for the copy ring and at most ``MAX_CLUSTER`` (a cluster's CTAs)."""
+    fits = [s for s in range(1, min(n_chunks, MAX_CLUSTER) + 1)
+            if n_chunks % s == 0 and n_chunks // s >= MIN_CHUNKS_PER_SPLIT] or [1]
     return next((s for s in fits if ctas * s >= TARGET_CTAS), fits[-1])
 
 
@@ -301,20 +387,15 @@ def experts_mosaic(xs: jax.Array, block_expert: jax.Array, ex: Int4Experts, inte
         raise TypeError(f"the Mosaic GPU kernel runs 16-bit activations (wgmma, tcgen05), got {xs.dtype}")
     nb = block_expert.shape[0]
     swap = xs.shape[0] // nb < WGMMA_M or tc
-    # swapped, gate/up's partial sums and down's output come [N, rows]: transposed here (the transposes fuse
-    # into the split sum and into combine's gather); gate/up's h comes [rows, F] (``_grouped_kernel``)
+    # swapped, down's output comes [N, rows]: transposed here (the transpose fuses into combine's gather);
+    # gate/up's h comes [rows, F] (``_grouped_kernel``)
     transposed = (lambda a: a.T) if swap else (lambda a: a)
     bn_gate_up, bn_down = (TC_M, TC_M) if tc else (WGMMA_M, WGMMA_M) if swap else \
         (tiles.block_n_gate_up, tiles.block_n_down)
     n_chunks = ex.w13.shape[-2] // WORD_ROWS
     splits = tiles.splits_gate_up or gate_up_splits(nb * (f // bn_gate_up), n_chunks)
-    gate_up = functools.partial(_grouped_kernel, xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn_gate_up,
-                                stages=tiles.stages, interpret=interpret, tc=tc)
-    if splits == 1:
-        h = gate_up(out_dtype=xs.dtype, epilogue=_swiglu)[0]
-    else:       # float32 partial sums of gate and up, then silu(g) * u here (rows x 2F x splits floats)
-        g, u = jnp.split(transposed(gate_up(out_dtype=F32, epilogue=None, splits=splits).sum(0)), 2, axis=1)
-        h = _swiglu(g, u).astype(xs.dtype)
+    h = _grouped_kernel(xs, block_expert, ex.w13, ex.s13, pair_cols=False, bn=bn_gate_up, stages=tiles.stages,
+                        out_dtype=xs.dtype, epilogue=_swiglu, interpret=interpret, splits=splits, tc=tc)[0]
     h = jnp.pad(h, ((0, 0), (0, f_rows * 8 - f)))   # zero inputs for the padded word rows (tiny models only)
     return transposed(_grouped_kernel(h, block_expert, ex.w2[:, None], ex.s2[:, None], pair_cols=True,
                                       bn=bn_down, stages=tiles.stages, out_dtype=F32, epilogue=None,
