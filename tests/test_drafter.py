@@ -64,6 +64,29 @@ def test_loads_the_public_dflash_layout(tmp_path):
     np.testing.assert_array_equal(p["layers"]["down"][1], t["layers.1.mlp.down_proj.weight"].T)
 
 
+def test_loads_onto_a_mesh_split_as_the_programs_run_it(tmp_path):
+    """On a mesh each weight lands as param_shardings says: heads and MLP width split (4 query and 2 kv heads,
+    MLP 96 over 2 devices), fc and the norms replicated; the values are the single-device load's."""
+    import jax
+    from kimi_jax import sharding
+
+    public_layout(tmp_path)
+    mesh = sharding.make_mesh("tp=2")
+    split = load_drafter(str(tmp_path), TARGET.replace(hidden_size=64), mesh=mesh)
+    whole = load_drafter(str(tmp_path), TARGET.replace(hidden_size=64))
+    layers = split.params["layers"]
+    assert layers["q"].addressable_shards[0].data.shape == (2, 64, 2, 16)        # [layers, d, heads / 2, hd]
+    assert layers["k"].addressable_shards[0].data.shape == (2, 64, 1, 16)
+    assert layers["o"].addressable_shards[0].data.shape == (2, 2, 16, 64)
+    assert layers["down"].addressable_shards[0].data.shape == (2, 48, 64)
+    assert split.params["fc"].sharding.is_fully_replicated
+    want = dflash.param_shardings(split.config, mesh)
+    for got, s in zip(jax.tree.leaves(split.params), jax.tree.leaves(want)):
+        assert got.sharding.is_equivalent_to(s, got.ndim)
+    for a, b in zip(jax.tree.leaves(split.params), jax.tree.leaves(whole.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_tap_fallback_when_config_has_no_layer_ids(tmp_path):
     public_layout(tmp_path, taps_in_config=False)
     cfg = json.loads((tmp_path / "config.json").read_text())

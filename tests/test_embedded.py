@@ -57,3 +57,16 @@ def test_heldout_loss_below_model_card_bound(model):
     chunks = np.array_split(windows, 7)
     loss = sum(float(nll(model.params, jnp.asarray(c))) * len(c) for c in chunks) / len(windows)
     assert loss < bound < np.log(model.config.vocab_size) / 1.5
+
+
+def test_load_onto_a_mesh_splits_the_drafter_and_keeps_the_tokens(model, heldout):
+    """load(mesh=) reads the drafter's checkpoint straight onto the shardings the programs run it on (its heads and
+    MLP width over the mesh, drafter.param_shardings): no replicated copy of it on every device. DDTree on the
+    mesh still emits the one-device AR tokens."""
+    sharded = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), mesh="ep=2")
+    c, p = sharded.drafter.config, sharded.drafter.params
+    q, gate = p["layers"]["q"], p["layers"]["gate"]
+    assert q.sharding.shard_shape(q.shape)[2] == c.num_attention_heads // 2
+    assert gate.sharding.shard_shape(gate.shape)[2] == c.intermediate_size // 2
+    ar = model.generate(heldout, 16, method="ar").tokens
+    assert sharded.generate(heldout, 16, method="ddtree", budget=8).tokens == ar

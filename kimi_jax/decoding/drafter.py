@@ -307,6 +307,20 @@ def _spec(axes, mesh, strategy, split: frozenset):
     return sharding.logical_to_spec(tuple(a if a in split else None for a in axes), mesh, st)
 
 
+def _shardings(axes_tree, mesh, strategy, split: frozenset):
+    return jax.tree.map(lambda a: jax.sharding.NamedSharding(mesh, _spec(a, mesh, strategy, split)), axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def param_shardings(c: DrafterConfig, mesh, strategy=None):
+    """``param_shapes``' tree of NamedShardings on ``mesh``: the weights split as the programs run them
+    (``PARAM_AXES``, ``split_axes``), so that a drafter loaded onto a mesh holds 1/d of its layers a device
+    before ``compute_params`` packs them (loaded replicated, K2.6's would be 6.5 GiB on every device, beside the
+    split copy the programs read)."""
+    split = split_axes(mesh, strategy, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
+    return _shardings(PARAM_AXES, mesh, strategy, split)
+
+
 def compute_params(p, mesh=None, split: bool | None = None, strategy=None):
     """The drafter weights the generation programs run on (``COMPUTE_AXES``' tree, made by ``fuse``): split over
     ``mesh`` by those axes (``split_axes``; abstract ShapeDtypeStructs get the shardings), in per-layer buffers
@@ -317,8 +331,7 @@ def compute_params(p, mesh=None, split: bool | None = None, strategy=None):
         if mesh is not None and mesh.size > 1:
             lp = p["layers"]
             axes = split_axes(mesh, strategy, lp["q"].shape[2], lp["k"].shape[2], lp["gate"].shape[2])
-            where = jax.tree.map(lambda a: jax.sharding.NamedSharding(mesh, _spec(a, mesh, strategy, axes)),
-                                 COMPUTE_AXES, is_leaf=lambda x: isinstance(x, tuple))
+            where = _shardings(COMPUTE_AXES, mesh, strategy, axes)
         if isinstance(jax.tree.leaves(p)[0], jax.ShapeDtypeStruct):
             p = jax.eval_shape(fuse, p)
             if where is not None:

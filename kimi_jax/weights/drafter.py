@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.decoding.drafter import CONFIG_FILE, Drafter, DrafterConfig, DrafterError, param_shapes
+from kimi_jax.decoding.drafter import CONFIG_FILE, Drafter, DrafterConfig, DrafterError, param_shapes, param_shardings
 from kimi_jax.sharding import place
-from kimi_jax.weights.checkpoint import PARAMS_DIR, check_manifest, restore_tree, write_tree
+from kimi_jax.weights.checkpoint import PARAMS_DIR, check_manifest, restore_tree, stored_tree, write_tree
 from kimi_jax.weights.hf import SafetensorsReader
 
 
@@ -40,9 +40,10 @@ def _from_hf_tensors(get, c: DrafterConfig) -> dict:
 
 
 def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool | None = None,
-                 sharding: jax.sharding.Sharding | None = None) -> Drafter:
-    """Load a drafter (kimi_jax checkpoint or public DFlash layout) and check it fits the target. ``sharding``:
-    where every weight goes (a mesh's replicated sharding; default this process's first device)."""
+                 mesh: jax.sharding.Mesh | None = None, strategy=None) -> Drafter:
+    """Load a drafter (kimi_jax checkpoint or public DFlash layout) and check it fits the target. ``mesh``: the
+    weights go onto it split as the programs run them under ``strategy`` (``drafter.param_shardings``: heads and
+    MLP width; every device reads only its shards); default this process's first device."""
     if not os.path.isdir(path):
         raise DrafterError(f"drafter directory {path!r} does not exist")
     if os.path.exists(os.path.join(path, CONFIG_FILE)):
@@ -50,8 +51,16 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
             c = DrafterConfig.from_dict(json.load(f))
         c.check_target(target)
         check_manifest(os.path.abspath(path), verify)
-        params = restore_tree(os.path.join(path, PARAMS_DIR), sharding=sharding)
-        return Drafter(c, jax.tree.map(lambda x: x.astype(dtype), params))
+        where = os.path.join(path, PARAMS_DIR)
+        stored = stored_tree(where)
+        try:
+            want = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype, sharding=s), stored,
+                                _shardings(c, mesh, strategy))
+        except ValueError as e:         # a tree that is not param_shapes' (another model's, or a damaged one)
+            raise DrafterError(f"{where} does not hold a drafter's weights for its config: {e}") from None
+        params = restore_tree(where, want)
+        _check_shapes(params, param_shapes(c))
+        return Drafter(c, params)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise DrafterError(f"{path} holds neither {CONFIG_FILE} nor a DFlash config.json")
     with open(os.path.join(path, "config.json")) as f:
@@ -60,7 +69,15 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
     reader = SafetensorsReader(path)
     params = _from_hf_tensors(reader.get, c)
     _check_shapes(params, param_shapes(c))
-    return Drafter(c, jax.tree.map(lambda x: place(np.asarray(x, dtype), sharding), params))
+    return Drafter(c, jax.tree.map(lambda x, s: place(np.asarray(x, dtype), s), params, _shardings(c, mesh, strategy)))
+
+
+def _shardings(c: DrafterConfig, mesh, strategy):
+    """Per weight, where it goes: split on ``mesh`` (``param_shardings``), else this process's first device."""
+    if mesh is not None:
+        return param_shardings(c, mesh, strategy)
+    first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: first, param_shapes(c), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _check_shapes(params, shapes):
