@@ -74,3 +74,51 @@ def test_plain_calls_where_the_split_does_not_apply():
     with sharding.mesh_context(mesh):
         values, ids = jax.jit(lambda a: vocab.top_k(a, 9, rt))(xs)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(jnp.asarray(x), 9)[1]))
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp_ep"])
+def test_categorical_samples_what_one_device_samples(strategy):
+    """vocab.categorical on a split vocabulary draws, for the same key, the token jax.random.categorical draws on
+    one device (its Gumbel noise does not depend on the split), over many keys and rows with -inf entries."""
+    mesh = sharding.make_mesh(MESHES[strategy])
+    rt = Runtime(mesh=mesh, strategy=strategy)
+    x = np.random.default_rng(3).normal(size=(4, 5, 64)).astype(np.float32)
+    x[:, :, ::7] = -np.inf
+    xs = _on(mesh, strategy, x)
+    keys = jax.random.split(jax.random.key(0), 16)
+    with sharding.mesh_context(mesh):
+        got = jax.jit(jax.vmap(lambda k, a: vocab.categorical(k, a, rt), in_axes=(0, None)))(keys, xs)
+    want = jax.vmap(lambda k: jax.random.categorical(k, jnp.asarray(x), axis=-1))(keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert len(np.unique(np.asarray(got))) > 20            # really sampled: many tokens, none at -inf
+    assert not np.isin(np.asarray(got), np.arange(0, 64, 7)).any()
+
+
+def test_processed_choice_is_made_with_all_reduces():
+    """The processors' greedy and sampled choice (top_k, penalties) on a split vocabulary: one device's tokens.
+    Greedy, and plain sampling, make no all-gather (the partitioner's argmax and categorical each do); a sampled
+    program keeps the gathers of top_p's sort, a branch it holds whether or not a row asks for top_p
+    (processors' module doc), and loses the rest."""
+    from kimi_jax.decoding import processors
+
+    mesh = sharding.make_mesh("tp=8")
+    rt = Runtime(mesh=mesh, strategy="tp")
+    b, vocab_size = 2, 64
+    x = np.random.default_rng(4).normal(size=(b, 3, vocab_size)).astype(np.float32)
+    xs = _on(mesh, "tp", x)
+    history = processors.start_history(jnp.asarray([[1, 2, 3], [4, 5, 6]]), jnp.ones((b, 3), bool), vocab_size)
+    temperature, key = jnp.full((b,), 0.8), jax.random.key(7)
+
+    def choose(s, sample, rt):
+        return lambda a: processors.choose(a, s, history, temperature, key, sample, None, rt)
+
+    assert _collectives(lambda a: vocab.categorical(key, a, rt), mesh, xs)[1] == 0
+    assert _collectives(lambda a: jax.random.categorical(key, a), mesh, xs)[1] > 0      # what it replaces
+    for values, sample in [(dict(frequency_penalty=[0.5, 0.0]), False),
+                           (dict(top_k=[5, 0], repetition_penalty=[1.3, 1.0]), True)]:
+        s = processors.sampling(b, vocab_size, **values)
+        with sharding.mesh_context(mesh):
+            got = jax.jit(choose(s, sample, rt))(xs)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(choose(s, sample, Runtime())(jnp.asarray(x))))
+        gathers, before = (_collectives(choose(s, sample, r), mesh, xs)[1] for r in (rt, Runtime()))
+        assert gathers < before and (gathers == 0) == (not sample), (values, gathers, before)

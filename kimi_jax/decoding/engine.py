@@ -158,10 +158,11 @@ def _choose(logits, spec: Spec, state: State, key, tree: ddtree.Tree | None = No
     """The target's token at every position of logits [b, n, V]: argmax, or one independent sample from
     softmax(logits / T); with Spec.process, of the processed logits, each tree node with its own path's history."""
     if spec.process:
-        return processors.choose(logits, state.sampling, state.history, state.temperature, key, spec.sample, tree)
+        return processors.choose(logits, state.sampling, state.history, state.temperature, key, spec.sample, tree,
+                                 spec.rt)
     if not spec.sample:
         return vocab.argmax(logits, spec.rt)
-    return jax.random.categorical(key, logits / state.temperature[:, None, None], axis=-1).astype(jnp.int32)
+    return vocab.categorical(key, logits / state.temperature[:, None, None], spec.rt)
 
 
 def _recorded(state: State, new_tokens, n_out):

@@ -59,6 +59,9 @@ softmax pass. top_k/top_p sort every distribution: 1040 sorts of 163840 floats p
 ``TOP_K_FAST``) pay it. An exact top_p fast path (cut inside a lax.top_k prefix, sort as the fallback) is not
 done: its cumulative sums would differ from the sort's by rounding, so a node's distribution would depend on
 which path its batch took.
+
+On a mesh that splits the vocabulary (``rt``) the argmax, the sample and top_k's k-th value are made by
+all-reduces (``kimi_jax.model.vocab``); top_p's sort is the partitioner's, which gathers the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax import fields
+from kimi_jax.config import Runtime
 from kimi_jax.decoding import ddtree
+from kimi_jax.model import vocab as model_vocab
 from kimi_jax.fields import LOGIT_BIAS_ENTRIES, GenerationError
 
 
@@ -212,8 +217,10 @@ def penalise(logits, s: Sampling, history: History, tree=None):
     return _path_penalties(biased, out, s, history, tree)
 
 
-def truncate(logits, s: Sampling):
-    """min_p, then top_k, then top_p (module doc) on temperature-scaled logits [b, n, V]: the dropped -> -inf."""
+def truncate(logits, s: Sampling, rt: Runtime = Runtime()):
+    """min_p, then top_k, then top_p (module doc) on temperature-scaled logits [b, n, V]: the dropped -> -inf.
+    ``rt``: where its mesh splits the vocabulary, top_k's k-th value comes by all-reduces (``vocab.top_k``); the
+    sort top_p needs gathers the whole vocabulary (module doc)."""
     nd = logits.ndim
 
     def min_p_cut(logits):
@@ -236,7 +243,7 @@ def truncate(logits, s: Sampling):
         # Rows flattened to 2-D: XLA:CPU lowers a 3-D top_k to a full sort (as in ddtree.build_tree).
         vocab = logits.shape[-1]
         width = min(TOP_K_FAST, vocab)
-        top = jax.lax.top_k(logits.reshape(-1, vocab), width)[0].reshape(logits.shape[:-1] + (width,))
+        top = model_vocab.top_k(logits.reshape(-1, vocab), width, rt)[0].reshape(logits.shape[:-1] + (width,))
         kth = jnp.take_along_axis(top, _col(jnp.clip(s.top_k, 1, width) - 1, nd), axis=-1)
         return jnp.where((logits < kth) & (_col(s.top_k, nd) > 0), -jnp.inf, logits)
 
@@ -248,18 +255,20 @@ def truncate(logits, s: Sampling):
                           [lambda x: x, top_k_cut, sorted_cut], logits)
 
 
-def process(logits, s: Sampling, history: History, temperature, sample: bool, tree=None):
+def process(logits, s: Sampling, history: History, temperature, sample: bool, tree=None, rt: Runtime = Runtime()):
     """The whole pipeline on logits [b, n, V]: the distribution (as logits) each position samples from, or, when
     not ``sample``, logits whose argmax is the greedy token (the temperature and truncations are skipped)."""
     out = penalise(logits, s, history, tree)
     if not sample:
         return out
-    return truncate(out / _col(temperature, out.ndim), s)
+    return truncate(out / _col(temperature, out.ndim), s, rt)
 
 
-def choose(logits, s: Sampling, history: History, temperature, key, sample: bool, tree=None):
-    """The token [b, n] at every position: the processed argmax, or one independent sample each."""
-    out = process(logits, s, history, temperature, sample, tree)
+def choose(logits, s: Sampling, history: History, temperature, key, sample: bool, tree=None,
+           rt: Runtime = Runtime()):
+    """The token [b, n] at every position: the processed argmax, or one independent sample each
+    (``jax.random.categorical``'s); by all-reduces where ``rt``'s mesh splits the vocabulary (``model.vocab``)."""
+    out = process(logits, s, history, temperature, sample, tree, rt)
     if not sample:
-        return jnp.argmax(out, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, out, axis=-1).astype(jnp.int32)
+        return model_vocab.argmax(out, rt)
+    return model_vocab.categorical(key, out, rt)

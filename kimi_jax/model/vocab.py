@@ -1,4 +1,4 @@
-"""argmax and top-k over a vocabulary that the mesh splits across devices, with all-reduces only.
+"""argmax, top-k and sampling over a vocabulary that the mesh splits across devices, with all-reduces only.
 
 The lm_head's columns, hence the logits' last axis, are split over the strategy's ``vocab`` mesh axes (``tp`` by
 default). Over such an axis XLA's partitioner takes an argmax or a top-k as each device's own, then an all-gather
@@ -12,7 +12,10 @@ kernels inside the graph:
 * ``top_k``: each device's top-k, written into its own slots of a zeroed [shards, k] array and summed, which is an
   all-gather as an all-reduce (every slot has one non-zero contribution, so the sum is exact); then the top-k of
   those shards * k candidates, stable, so that equal values keep the lower index (shards hold consecutive ids in
-  order), as ``jax.lax.top_k``.
+  order), as ``jax.lax.top_k``;
+* ``categorical``: ``jax.random.categorical``'s own Gumbel-max, ``argmax(logits + gumbel)``, with the argmax above.
+  The noise is drawn for the whole ``[..., V]`` shape from the same key (JAX's threefry draws are the same however
+  the array is split), so a mesh samples the token one device samples.
 
 Both are the plain ``jnp`` calls where no mesh splits the vocabulary, where the batch is split too (the
 strategy's ``batch`` axes), or where a shard holds fewer than k entries.
@@ -80,3 +83,9 @@ def top_k(x: jax.Array, k: int, rt: Runtime) -> tuple[jax.Array, jax.Array]:
         return values, jnp.take_along_axis(every[1], pick, axis=-1)
 
     return _per_shard(local, x, axes, rt, (P(), P()))
+
+
+def categorical(key: jax.Array, logits: jax.Array, rt: Runtime) -> jax.Array:
+    """``jax.random.categorical(key, logits, axis=-1)`` as int32: the same token for the same key (its
+    ``argmax(gumbel(key, logits.shape) + logits)``, the argmax by all-reduces where the vocabulary is split)."""
+    return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits, rt)
