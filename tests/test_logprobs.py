@@ -60,3 +60,16 @@ def test_inputs_take_up_to_the_prepared_count(model):
         model.inputs(request, logprobs=6)
     with pytest.raises(GenerationError, match="at least"):
         model.inputs(model.prepare([model.tokenizer.encode(PROMPT)], 4, "ar"), logprobs=1)
+
+
+@pytest.mark.slow     # a load onto 2 devices and a sampled DDTree program (~20 s)
+def test_logprobs_on_a_mesh_are_one_devices(model):
+    """On ep=2 the logits' vocabulary is split over the devices: the chosen token's log-probability is a masked
+    sum and the top n a vocab.top_k, both by all-reduces. Same tokens and log-probabilities as one device."""
+    import kimi_jax
+    sharded = kimi_jax.load(str(DEFAULT_TARGET), drafter=str(DEFAULT_DRAFTER), mesh="ep=2")
+    kw = dict(method="ddtree", budget=8, logprobs=3, temperature=1.0, seed=5, top_k=20)
+    got, want = sharded.generate(PROMPT, 10, **kw), model.generate(PROMPT, 10, **kw)
+    assert got.tokens == want.tokens
+    for (c1, top1), (c2, top2) in zip(got.logprobs[0], want.logprobs[0]):
+        assert c1 == pytest.approx(c2, abs=1e-4) and [t for t, _ in top1] == [t for t, _ in top2]

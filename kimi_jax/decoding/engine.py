@@ -220,15 +220,18 @@ def _start_logprobs(spec: Spec, b: int, max_new: int):
                     top=jnp.zeros((b, max_new, n), jnp.float32))
 
 
-def _recorded_logprobs(state: State, logits, new_tokens, n_out):
+def _recorded_logprobs(state: State, logits, new_tokens, n_out, rt):
     """State.logprobs with the tokens ``_emit`` just took (new_tokens [b, w] to n_out) recorded at their output
-    slots; ``logits`` [b, w, V]: the raw logits each of them was chosen from. None without Spec.logprobs."""
+    slots; ``logits`` [b, w, V]: the raw logits each of them was chosen from. None without Spec.logprobs.
+    Reductions over the vocabulary only (the chosen token's entry as a masked sum, the top by ``vocab.top_k``):
+    all-reduces where ``rt``'s mesh splits it, no all-gather."""
     lp = state.logprobs
     if lp is None:
         return None
     log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(log_p, new_tokens[..., None], axis=-1)[..., 0]
-    top, top_ids = jax.lax.top_k(log_p, lp.top.shape[-1])
+    ids = jax.lax.broadcasted_iota(jnp.int32, log_p.shape, log_p.ndim - 1)
+    chosen = jnp.sum(jnp.where(ids == new_tokens[..., None], log_p, 0.0), axis=-1)
+    top, top_ids = vocab.top_k(log_p, lp.top.shape[-1], rt)
     b, w = new_tokens.shape
     j = jnp.arange(w)[None, :]
     dst = jnp.where(j < (n_out - state.n_out)[:, None], state.n_out[:, None] + j, lp.chosen.shape[1])
@@ -334,7 +337,7 @@ def prefill_rows(inputs: Inputs, *, spec: Spec, max_new: int, max_len: int, pool
     out, n_out, done = _emit(state, first, jnp.ones((b,), jnp.int32), cfg.eos_token_ids)   # the whole history
     state = state.replace(bonus=first[:, 0], out=out, n_out=n_out, done=done, history=_recorded(state, first, n_out),
                           grammar=_advanced(state, start_states, first[:, 0], jnp.zeros((b,), jnp.int32)),
-                          logprobs=_recorded_logprobs(state, last[:, None], first, n_out))
+                          logprobs=_recorded_logprobs(state, last[:, None], first, n_out, spec.rt))
     return state, _check_logits(last), rows
 
 
@@ -402,7 +405,7 @@ def commit(params, drafter_params, spec: Spec, state: State, r: Round, key, widt
     return state.replace(cache=cache, drafter=drafter, bonus=r.bonus, out=out, n_out=n_out, done=done,
                          stats=stats, rounds=state.rounds + 1, key=key, history=_recorded(state, new_tokens, n_out),
                          grammar=_advanced(state, r.states, r.bonus, jnp.maximum(last, 0)),
-                         logprobs=_recorded_logprobs(state, chosen_at, new_tokens, n_out))
+                         logprobs=_recorded_logprobs(state, chosen_at, new_tokens, n_out, spec.rt))
 
 
 # ---- the round -------------------------------------------------------------------------------------------
