@@ -64,6 +64,7 @@ import importlib
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from kimi_jax.config import IMPLS
 from kimi_jax.ops.select import hopper, lowering_gpu, lowering_tpu, mosaic_lowering
@@ -93,6 +94,14 @@ class Lowering:
     @property
     def compiles_for_tpu(self) -> bool:
         return self.platform == "tpu" and self.device_kind is not None and not self.interpret
+
+    def refuses_wide(self, dtype, reason: str) -> str | None:
+        """The Triton kernels' shared rule: compiled for a GPU they take 16-bit operands only (their tiles are
+        sized for them; 32-bit ones spill registers or exceed shared memory). Why not, with ``reason`` (the
+        kernel's own words), or None; interpret mode takes any dtype."""
+        if self.compiles_for_gpu and jnp.dtype(dtype).itemsize != 2:
+            return f"compiled, {reason}, got {dtype}"
+        return None
 
 
 def gpu(interpret: bool = False) -> Lowering:

@@ -52,10 +52,10 @@ def pallas_supports(call: DrafterAttentionCall, lowering: Lowering) -> str | Non
     """Why the Triton kernels cannot take the call (None: they can); pallas_triton.py's contract."""
     if len(set(call.dtypes)) != 1:
         return f"the Triton kernel takes qkv and the context k, v of one dtype, got {call.dtypes}"
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtypes[0]).itemsize != 2:
-        # deviceless compiles of float32 at these tiles: register spills at K2.6's shapes on H200, shared memory
-        # exceeded at head_dim 256 on H200, B200 and the RTX PRO 6000
-        return f"compiled, the Triton kernel takes 16-bit operands, got {call.dtypes[0]}"
+    # deviceless compiles of float32 at these tiles: register spills at K2.6's shapes on H200, shared memory
+    # exceeded at head_dim 256 on H200, B200 and the RTX PRO 6000
+    if why := lowering.refuses_wide(call.dtypes[0], "the Triton kernel takes 16-bit operands"):
+        return why
     if call.tokens > MAX_BLOCK_TOKENS:
         return f"t={call.tokens} tokens is not a drafter block (kernels take up to {MAX_BLOCK_TOKENS}); use impl='xla'"
     if call.slots < 1:

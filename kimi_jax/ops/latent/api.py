@@ -52,8 +52,9 @@ class LatentCall:
 
 def pallas_supports(call: LatentCall, lowering: Lowering) -> str | None:
     """Why the Triton kernel cannot take the call (None: it can)."""
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
-        return f"compiled, the latent kernel takes 16-bit rows (its GEMM reads them as the model's), got {call.dtype}"
+    if why := lowering.refuses_wide(call.dtype, "the latent kernel takes 16-bit rows (its GEMM reads them as the "
+                                                 "model's)"):
+        return why
     if call.p % 2 or call.p & (call.p - 1):
         return f"the rope width must be an even power of two (a Triton tensor), got {call.p}"
     return None
@@ -97,8 +98,8 @@ class QueriesCall:
 
 def queries_supports(call: QueriesCall, lowering: Lowering) -> str | None:
     """Why the Triton kernel cannot take the call (None: it can)."""
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
-        return f"compiled, the queries kernel takes 16-bit rows (its W_UK dot), got {call.dtype}"
+    if why := lowering.refuses_wide(call.dtype, "the queries kernel takes 16-bit rows (its W_UK dot)"):
+        return why
     if call.nope % 16 or call.r % 16:
         return f"W_UK's widths (nope {call.nope}, latent {call.r}) must be multiples of 16 (Triton's dots)"
     if call.p < 2 or call.p & (call.p - 1):

@@ -39,10 +39,11 @@ class RouterCall:
 
 def pallas_supports(call: RouterCall, lowering: Lowering) -> str | None:
     """Why the Triton kernels cannot route the call (None: they can)."""
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
-        # deviceless compile at K2.6's d = 7168, e = 384: 288 KiB of shared memory asked on H100 (tests/
-        # test_kernel_shapes.py)
-        return f"compiled, the router kernels take 16-bit inputs (32-bit tiles exceed shared memory), got {call.dtype}"
+    # deviceless compile at K2.6's d = 7168, e = 384: 288 KiB of shared memory asked on H100 (tests/
+    # test_kernel_shapes.py)
+    if why := lowering.refuses_wide(call.dtype, "the router kernels take 16-bit inputs (32-bit tiles exceed "
+                                                "shared memory)"):
+        return why
     if block(call.d, Tiles.block_k) is None or block(call.e, Tiles.block_e) is None:
         return f"d={call.d} and e={call.e} must be multiples of 16"
     if call.k & (call.k - 1) or call.k > call.e:

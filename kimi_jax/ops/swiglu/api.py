@@ -34,8 +34,8 @@ class SwigluCall:
 
 def pallas_supports(call: SwigluCall, lowering: Lowering) -> str | None:
     """Why the Triton kernel cannot take the call (None: it can)."""
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
-        return f"compiled, the SwiGLU kernel takes 16-bit rows (its down dot), got {call.dtype}"
+    if why := lowering.refuses_wide(call.dtype, "the SwiGLU kernel takes 16-bit rows (its down dot)"):
+        return why
     if call.f % 16 or call.n % 16:
         return f"the hidden ({call.f}) and output ({call.n}) widths must be multiples of 16 (Triton's dots)"
     return None

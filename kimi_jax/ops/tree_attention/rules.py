@@ -53,10 +53,11 @@ def _pow2_at_least(v: int, lo: int) -> bool:
 def pallas_supports(call: AttentionCall, lowering: Lowering) -> str | None:
     if call.tokens > MAX_TREE_TOKENS:
         return f"t={call.tokens} tree tokens is a prefill (kernels take up to {MAX_TREE_TOKENS}); use impl='xla'"
-    if lowering.compiles_for_gpu and jnp.dtype(call.dtype).itemsize != 2:
-        # deviceless compiles, latent 128-512: register spills on H100 and B200, over the shared memory on the
-        # RTX PRO 6000 (tests/test_kernel_shapes.py)
-        return f"compiled, the Triton kernel takes a 16-bit cache (a 32-bit one spills registers), got {call.dtype}"
+    # deviceless compiles, latent 128-512: register spills on H100 and B200, over the shared memory on the
+    # RTX PRO 6000 (tests/test_kernel_shapes.py)
+    if why := lowering.refuses_wide(call.dtype, "the Triton kernel takes a 16-bit cache (a 32-bit one spills "
+                                                "registers)"):
+        return why
     if call.page and not _pow2_at_least(call.page, MIN_DOT):
         return f"the Triton kernel needs a page size that is a power of two >= {MIN_DOT}, got {call.page}"
     for name in ("block_q", "block_k"):
