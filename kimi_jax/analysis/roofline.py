@@ -567,11 +567,12 @@ class DesignOverhead:
     (2026-12-06): 2065 ops = 61 x 29.7 + 6 x 20 + 134, 5 submissions; all-Triton 2005 (28.7 a layer); before the
     router and placement kernels 2508 (36.9), before the attention cuts 2798 (41.4), before the routing cuts 5443
     (85). ``Runtime(split_k=False)`` compiles the same round to 1254 ops (the kernels' GEMMs split K themselves).
-    The AR step of one row (1130 ops: 18 a MoE layer as the round's verify, 18.08 a layer over 61 with the once-a-step
-    ops; 1250 before the Mosaic gate/up kernel summed its K splits in a cluster, 2026-12-07) is not counted
-    separately: width 1 takes the DDTree round's per-layer count. B300 runs the Triton kernels but takes the H200 round's counts here: no full-size B300 round
-    has been counted. The per-op tail (2 us under CUDA graphs) and the per-submission host cost (5 us) are
-    assumptions: [kernel-overhead] infers 2.5-4 us per launch under graphs; no GPU has run them here.
+    The AR step of one row (1130 ops: 18 a MoE layer as the round's verify, 18.08 a layer over 61 with the
+    once-a-step ops; 1250 before the Mosaic gate/up kernel summed its K splits in a cluster, 2026-12-07) is not
+    counted separately: width 1 takes the DDTree round's per-layer count. B300 runs the Triton kernels but takes
+    the H200 round's counts here: no full-size B300 round has been counted. The per-op tail (2 us under CUDA
+    graphs) and the per-submission host cost (5 us) are assumptions: [kernel-overhead] infers 2.5-4 us per launch
+    under graphs; no GPU has run them here.
     """
     ops_per_layer: float = 18.2
     ops_per_drafter_layer: int = 13

@@ -55,7 +55,7 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
         stored = stored_tree(where)
         try:
             want = jax.tree.map(lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype, sharding=s), stored,
-                                _shardings(c, mesh, strategy))
+                                _placement(c, mesh, strategy))
         except ValueError as e:         # a tree that is not param_shapes' (another model's, or a damaged one)
             raise DrafterError(f"{where} does not hold a drafter's weights for its config: {e}") from None
         params = restore_tree(where, want)
@@ -69,10 +69,11 @@ def load_drafter(path: str, target: ModelConfig, dtype=jnp.float32, verify: bool
     reader = SafetensorsReader(path)
     params = _from_hf_tensors(reader.get, c)
     _check_shapes(params, param_shapes(c))
-    return Drafter(c, jax.tree.map(lambda x, s: place(np.asarray(x, dtype), s), params, _shardings(c, mesh, strategy)))
+    where = _placement(c, mesh, strategy)
+    return Drafter(c, jax.tree.map(lambda x, s: place(np.asarray(x, dtype), s), params, where))
 
 
-def _shardings(c: DrafterConfig, mesh, strategy):
+def _placement(c: DrafterConfig, mesh, strategy):
     """Per weight, where it goes: split on ``mesh`` (``param_shardings``), else this process's first device."""
     if mesh is not None:
         return param_shardings(c, mesh, strategy)

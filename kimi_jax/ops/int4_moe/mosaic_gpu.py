@@ -170,11 +170,10 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
 
     def body(be_gmem, x_gmem, w_gmem, s_gmem, o_gmem, *refs):
         if splits > 1:      # the ring's refs and the exchange tiles, aliased (a RefUnion's leaves)
-            ws_gmem, ring, q_smem, o_smem, bars, *split_bars = refs
-            split_bars, tmem = split_bars[:2], split_bars[2:]
+            ws_gmem, ring, q_smem, o_smem, bars, split_bar, cluster_bar, *tmem = refs
             (x_smem, w_smem, s_smem), exchange = ring
         else:
-            ws_gmem, exchange, split_bars = None, None, None
+            ws_gmem, exchange, split_bar, cluster_bar = None, None, None, None
             (x_smem, w_smem, s_smem), q_smem, o_smem, bars, *tmem = refs
         b = lax.axis_index("b")
         j = lax.axis_index("n")
@@ -269,7 +268,8 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
             if splits == 1:
                 store(accs)
             else:
-                _reduce_splits(accs, splits, ws_gmem.at[:, b, j], exchange, split_bars, store, interpret)
+                _reduce_splits(accs, splits, ws_gmem.at[:, b, j], exchange, split_bar, cluster_bar, store,
+                               interpret)
 
     n_copies = GROUPS + 4
     out = jax.ShapeDtypeStruct((1, width, xs.shape[0]) if swap and not out_t else (1, xs.shape[0], width), out_dtype)
@@ -305,7 +305,7 @@ def _grouped_kernel(xs, block_expert, w, s, *, pair_cols: bool, bn: int, stages:
     return out[0] if splits > 1 else out
 
 
-def _reduce_splits(accs, splits, ws, exchange, bars, store, interpret):
+def _reduce_splits(accs, splits, ws, exchange, split_bar, cluster_bar, store, interpret):
     """The cluster's split-K sum: CTA ``k > 0`` of the cluster writes its accumulators to ``ws[k - 1]`` (its own
     box in global memory), every CTA arrives at the cluster barrier, and CTA 0, once all have, reads the
     ``splits - 1`` boxes into ``exchange`` (one TMA each), adds them to its own accumulators and ``store``s.
@@ -314,7 +314,6 @@ def _reduce_splits(accs, splits, ws, exchange, bars, store, interpret):
     not the latter, and the boxes are a few KiB (``2 x 64 x 8`` floats at one token), read from L2. Why a cluster:
     its CTAs are co-scheduled, so CTA 0 can wait for the others without a grid-wide semaphore, which would need a
     zeroed buffer, one memset more a layer. The exchange tiles alias the copy ring, idle after the K loop."""
-    split_bar, cluster_bar = bars
     k = lax.axis_index("k")
     # every thread past its last ordinary loads of the ring (the last group's scales) before the exchange tiles,
     # which alias it, are written: by this warpgroup's stores, or by CTA 0's TMA (hence the async-proxy fence)
