@@ -49,6 +49,10 @@ def _parse(argv):
     p.add_argument("--no-processing", action="store_true",
                    help="serve without the processing programs (top_k/top_p/min_p, penalties, logit_bias, "
                         "response_format, strict tools, logprobs: a 400): half the programs, half the warm-up")
+    p.add_argument("--lazy-compile", action="store_true",
+                   help="compile each program when a request first needs it instead of every program before "
+                        "listening: a quick start, but the first request of each kind, length and batch size waits "
+                        "for its compiles (tests, development)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. tp=8")
     p.add_argument("--prefix-cache-pages", type=int, default=None,
                    help="pages of the prefix cache (default: as many tokens as max-batch full caches; 0 = off)")
@@ -190,7 +194,8 @@ def run(argv=None) -> int:
                       queue_size=args.queue_size,
                       prefix_pages=args.prefix_cache_pages, page_size=args.page_size, peers=peers,
                       processing=not args.no_processing)
-    batcher.warm(log=_say if cluster.leader() else lambda m: None)
+    if not args.lazy_compile:
+        batcher.warm(log=_say if cluster.leader() else lambda m: None)
     if peers is not None and not peers.leader:
         return _follow(batcher, peers)
     batcher.start()
