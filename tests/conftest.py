@@ -3,16 +3,28 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's LLVM backend at -O0: compiling is most of a test's time here, and the same optimized HLO (the HLO
+# passes do not depend on the level) compiles in less CPU time at -O0 (~20% for the fast loop; test_engine and
+# test_convert side by side, 7.4 against 8.6 min), while the kernels run slower, which only the long runs feel
+# (the 16k-token prompt: 45 s instead of 36). An XLA_FLAGS that sets the level wins. Set before JAX starts a
+# backend; pytest-xdist's workers inherit it, and the subprocesses through ``cpu_env``.
 flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in flags:
+    flags += " --xla_backend_optimization_level=0"
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = flags.strip()
 
 import atexit  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
+# JAX keeps only programs that took >= 1 s to compile; most of a tiny model's take less, and the run repeats many
+# of them (fresh Models, CLI and server subprocesses, programs freed under mapping pressure): keep them all. Set
+# in the environment, so the subprocesses (which inherit it) keep theirs too.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The auto policy's cost tables and the CLI's compiled programs are cached on disk ($KIMI_JAX_CACHE); tests keep
 # theirs in a directory of this run, removed when the run ends (the process that made it removes it; pytest-xdist's
 # workers and the CLI subprocesses inherit the variable and share it), so nothing outlives the run and CI stays
@@ -30,27 +42,65 @@ from kimi_jax.cli.decode import persistent_compile_cache  # noqa: E402
 # read back, not recompiled: JAX's in-memory caches are keyed by Python objects, its persistent cache by the
 # program itself (~6% of the CPU time measured, docs/design.md "Tests"). The CLI's own cache, under $KIMI_JAX_CACHE.
 persistent_compile_cache()
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
 
-def fast_loop(markexpr: str) -> bool:
-    """Whether ``-m`` is the fast loop's: "not slow", alone or and-ed with other markers."""
-    expr = " ".join((markexpr or "").split())
-    return " or " not in f" {expr} " and re.search(r"(^|\band )not slow( and\b|$)", expr) is not None
+# ---- the time table: every run prints where its time went, per module ---------------------------------------------
+# pytest's --durations (pyproject's addopts) lists the slowest tests; this adds the per-module sums that
+# docs/design.md "Tests" budgets. The controller sees every worker's reports, so the sums are of test time (setup,
+# call and teardown) across workers, not wall time.
+MODULE_TIMES: dict[str, list] = {}
 
 
-def pytest_configure(config):
-    """The fast loop has XLA:CPU's LLVM backend compile at -O0: compiling is most of a test's time here, and the
-    same optimized HLO (the HLO passes do not depend on the level) compiles in ~20% less CPU time at -O0, while
-    the kernels run slower, which the fast loop's short runs do not feel (the full suite's long runs would: the
-    16k-token prompt takes 45 s instead of 36). The full suite, CI's, keeps XLA's default; an XLA_FLAGS that sets
-    the level wins. Set before any test creates an array (the backend reads XLA_FLAGS when it starts);
-    pytest-xdist's workers and the CLI subprocesses inherit it."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if fast_loop(config.getoption("markexpr", "")) and "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+MODULE_TIMES_FILE = pathlib.Path(__file__).parent / "module_times.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-module-times", action="store_true",
+                     help=f"write this run's per-module test times to {MODULE_TIMES_FILE.name} (the order estimates)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slowest modules first, from the recorded per-module times: ``--dist loadfile`` hands whole modules to the
+    workers in collection order, so a long module collected last leaves one worker running it alone at the end
+    (largest-first is the classic balance for two workers). A module not recorded yet counts as slow, so a new
+    one is not the tail either. Within a module the order stays the file's."""
+    known = json.loads(MODULE_TIMES_FILE.read_text()) if MODULE_TIMES_FILE.exists() else {}
+    slow = max(known.values(), default=0.0)
+    order = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        order.setdefault(module, (-known.get(module, slow), len(order)))
+    items.sort(key=lambda item: order[item.nodeid.split("::")[0]])
+
+
+def pytest_runtest_logreport(report):
+    entry = MODULE_TIMES.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    entry[0] += report.duration
+    entry[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not MODULE_TIMES:
+        return
+    total = sum(t for t, _ in MODULE_TIMES.values())
+    tr = terminalreporter
+    tr.write_sep("=", f"test time per module ({total / 60:.1f} min in all, slowest first)")
+    for module, (seconds, tests) in sorted(MODULE_TIMES.items(), key=lambda kv: -kv[1][0]):
+        tr.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {tests:5d} tests  {module}")
+    if terminalreporter.config.getoption("record_module_times"):
+        MODULE_TIMES_FILE.write_text(json.dumps({m: round(t, 1) for m, (t, _) in sorted(MODULE_TIMES.items())},
+                                                indent=1) + "\n")
+
+
+def cpu_env(devices: int | None = None) -> dict:
+    """The environment of a subprocess the tests start: this run's variables on the CPU, with this run's XLA flags
+    but not the 8 fake devices asked for above (``devices`` fake devices instead, if given)."""
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
 
 
 def serve_in_thread(app, grace: float):

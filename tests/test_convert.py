@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import default_sigint
+from conftest import cpu_env, default_sigint
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
@@ -148,7 +148,7 @@ def test_ctrl_c_during_convert_exits_130_and_the_rerun_resumes(k26, converted, t
     """SIGINT right after layer 1 is written: one line, status 130, no checkpoint yet; the same command again
     converts the rest and the result equals an uninterrupted conversion."""
     out = str(tmp_path / "ckpt")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = cpu_env()
     interrupted = ("import os, signal, sys\n"
                    "from kimi_jax.cli.exits import exit_with, run_command\n"
                    "from kimi_jax.weights.convert import convert_hf\n"

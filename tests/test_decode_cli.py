@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, default_sigint
+from conftest import FIXTURES, cpu_env, default_sigint
 
 import kimi_jax
 from kimi_jax.cli.decode import DEFAULT_PROMPT, _stats_line
@@ -92,7 +92,8 @@ def test_missing_checkpoint(decode):
 
 def cli_process(*args, timeout=300):
     """`python -m kimi_jax.decode ARGS` as a user's shell runs it: no JAX_PLATFORMS, one CPU device."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env = cpu_env()
+    del env["JAX_PLATFORMS"]
     return subprocess.run([sys.executable, "-m", "kimi_jax.decode", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -449,7 +450,7 @@ exit_with(run_command("t", serve))
 @needs_default
 @pytest.mark.slow
 def test_sigint_during_decode_exits_130_with_one_line():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = cpu_env()
     p = subprocess.Popen([sys.executable, "-m", "kimi_jax.decode", "--max-new-tokens", "400"], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     time.sleep(3.0)
@@ -466,8 +467,8 @@ def test_sigint_mid_compile_exits_at_once(tmp_path):
     """An empty compile cache, so the generation program compiles (seconds, in C++, holding the main thread); XLA's
     HLO dump marks the compile's start (before_optimizations) and end (after_optimizations)."""
     dump = tmp_path / "xla"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={dump}",
-           "KIMI_JAX_CACHE": str(tmp_path / "cache")}
+    env = cpu_env()
+    env.update(XLA_FLAGS=f"{env['XLA_FLAGS']} --xla_dump_to={dump}", KIMI_JAX_CACHE=str(tmp_path / "cache"))
     p = subprocess.Popen([sys.executable, "-m", "kimi_jax.decode"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 120

@@ -4,13 +4,13 @@ a wrong kernel."""
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import pytest
+from conftest import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = ("kernels", "copy", "moe", "attention", "allreduce", "round")
@@ -18,8 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 
 def run_check(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}     # not conftest's 8 fake CPU devices
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cpu_env()                                   # not conftest's 8 fake CPU devices
     return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -39,7 +39,7 @@ def _params(cfg):
 
 def worker(process_id: int, port: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     import jax
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
@@ -75,9 +75,9 @@ def _free_port() -> int:
 
 
 def test_two_processes_same_tokens_as_one():
+    from conftest import cpu_env            # not at the top: the workers run this file as a script
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("XLA_FLAGS", None)
+    env = {**cpu_env(), "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "WORKER", str(i), str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for i in range(2)]
@@ -116,14 +116,14 @@ HEARTBEAT_S = 5
 def _decode_processes(n: int, devices_each: int, *flags, tmp_path):
     """``n`` processes of ``python -m kimi_jax.decode`` joined on a local coordinator, ``devices_each`` CPU devices
     each -> (processes, their stdout paths, their stderr paths)."""
+    from conftest import cpu_env
     port = _free_port()
     procs, outs, errs = [], [], []
     for i in range(n):
         outs.append(tmp_path / f"out{i}.txt")
         errs.append(tmp_path / f"err{i}.txt")
         # a cache directory of its own (cost tables; compiled programs stay shared), as on separate hosts
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "KIMI_JAX_CACHE": str(tmp_path / f"cache{i}"),
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_each}"}
+        env = {**cpu_env(devices_each), "KIMI_JAX_CACHE": str(tmp_path / f"cache{i}")}
         if "KIMI_JAX_CACHE" in os.environ:
             env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["KIMI_JAX_CACHE"], "xla"))
         with open(outs[-1], "w") as out, open(errs[-1], "w") as err:

@@ -9,6 +9,7 @@ import pathlib
 import time
 
 import pytest
+from conftest import cpu_env
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +56,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                             if "xla_force_host_platform_device_count" not in f))
+    monkeypatch.setenv("XLA_FLAGS", cpu_env()["XLA_FLAGS"])
     monkeypatch.delenv("KIMI_JAX_TARGET", raising=False)
     monkeypatch.delenv("KIMI_JAX_DRAFTER", raising=False)
 

@@ -7,7 +7,6 @@ lossless, so the tokens must be AR's). The last test sends SIGTERM and checks th
 
 import concurrent.futures
 import json
-import os
 import re
 import signal
 import socket
@@ -19,7 +18,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import FIXTURES, default_sigint
+from conftest import FIXTURES, cpu_env, default_sigint
 
 import kimi_jax
 
@@ -41,14 +40,14 @@ def _free_port():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = cpu_env()
     # stderr to a file, not a pipe: the server writes an audit line per request, and a pipe nobody reads fills
     # (64 KiB, a few hundred requests) and then blocks the server's event loop on the write
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--max-batch",
                                  str(SLOTS), "--max-new-tokens", str(MAX_NEW), "--max-len", str(MAX_LEN), "--budget",
-                                 "8", "--queue-size", "32"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 "8", "--queue-size", "32", "--lazy-compile"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -480,7 +479,7 @@ def test_sigint_drains_and_exits_130_without_tracebacks(reference):
     proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--drafter", "none",
                              "--max-batch", "2", "--max-new-tokens", str(MAX_NEW), "--max-len", "128",
                              "--no-processing"], cwd=ROOT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
+                            env=cpu_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     try:

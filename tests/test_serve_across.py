@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from conftest import cpu_env
 
 from kimi_jax.cli.decode import DEFAULT_TARGET
 
@@ -40,13 +41,13 @@ def _start(tmp_path, name: str):
     procs, errs = [], []
     for i in range(2):
         errs.append(tmp_path / f"{name}{i}.err")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+        env = cpu_env(1)
         with open(errs[-1], "w") as err:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kimi_jax.serve", "--coordinator", f"localhost:{coordinator}",
                  "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout", str(HEARTBEAT_S),
                  "--mesh", "ep=2", "--port", str(port), "--max-batch", "2", "--max-new-tokens", str(MAX_NEW),
-                 "--max-len", "64", "--budget", "8", "--queue-size", "32", "--no-processing"],
+                 "--max-len", "64", "--budget", "8", "--queue-size", "32", "--no-processing", "--lazy-compile"],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -116,12 +117,14 @@ def test_a_killed_follower_ends_the_server_with_503(tmp_path, in_flight):
     CPU), or, with nothing running, process 0 notices the missing beats; either way it exits 1 with one line
     before JAX's coordination service would abort it at the heartbeat timeout."""
     procs, errs, url = _start(tmp_path, "killed")
+    request = {"prompt": "def f(x):", "max_tokens": MAX_NEW, "temperature": 0}
     try:
+        if in_flight:       # the servers compile lazily: this request's programs first, so the next one's step runs
+            assert httpx.post(url + "/v1/completions", timeout=300, json=request).status_code == 200
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         if in_flight:
-            r = httpx.post(url + "/v1/completions", timeout=120, json={"prompt": "def f(x):", "max_tokens": MAX_NEW,
-                                                                        "temperature": 0})
+            r = httpx.post(url + "/v1/completions", timeout=120, json=request)
             assert r.status_code == 503 and "lost a process" in r.json()["error"]["message"], r.text
         assert procs[0].wait(timeout=HEARTBEAT_S + 30) == 1
         assert time.monotonic() - t0 < HEARTBEAT_S
