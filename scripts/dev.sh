@@ -42,8 +42,9 @@ case "$cmd" in
   decode) exec .venv/bin/python -m kimi_jax.decode "$@" ;;
   serve)  exec .venv/bin/python -m kimi_jax.serve "$@" ;;
   test)
-    # Two pytest-xdist workers (one per core here), whole modules each so module fixtures build once; a later -n
-    # in the arguments wins (-n 0: one process, e.g. for -x or a debugger).
-    exec .venv/bin/python -m pytest -n "${KIMI_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+    # Two pytest-xdist workers (one per core here), whole modules each so module fixtures build once, handed out
+    # in collection order (tests/conftest.py puts the slowest modules first; xdist's own reorder, by test count,
+    # would undo that); a later -n in the arguments wins (-n 0: one process, e.g. for -x or a debugger).
+    exec .venv/bin/python -m pytest -n "${KIMI_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
   *)      echo "usage: bash scripts/dev.sh decode|serve|test [args...]" >&2; exit 2 ;;
 esac
