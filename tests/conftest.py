@@ -50,15 +50,13 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 # pytest's --durations (pyproject's addopts) lists the slowest tests; this adds the per-module sums that
 # docs/design.md "Tests" budgets. The controller sees every worker's reports, so the sums are of test time (setup,
 # call and teardown) across workers, not wall time.
-MODULE_TIMES: dict[str, list] = {}
-
-
+MODULE_TIMES: dict[str, list] = {}            # module -> [seconds, tests]
 MODULE_TIMES_FILE = pathlib.Path(__file__).parent / "module_times.json"
 
 
 def pytest_addoption(parser):
     parser.addoption("--record-module-times", action="store_true",
-                     help=f"write this run's per-module test times to {MODULE_TIMES_FILE.name} (the order estimates)")
+                     help=f"record this run's per-module test times in {MODULE_TIMES_FILE.name} (the order estimates)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,13 +83,13 @@ def pytest_terminal_summary(terminalreporter):
     if not MODULE_TIMES:
         return
     total = sum(t for t, _ in MODULE_TIMES.values())
-    tr = terminalreporter
-    tr.write_sep("=", f"test time per module ({total / 60:.1f} min in all, slowest first)")
+    terminalreporter.write_sep("=", f"test time per module ({total / 60:.1f} min in all, slowest first)")
     for module, (seconds, tests) in sorted(MODULE_TIMES.items(), key=lambda kv: -kv[1][0]):
-        tr.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {tests:5d} tests  {module}")
-    if terminalreporter.config.getoption("record_module_times"):
-        MODULE_TIMES_FILE.write_text(json.dumps({m: round(t, 1) for m, (t, _) in sorted(MODULE_TIMES.items())},
-                                                indent=1) + "\n")
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {tests:5d} tests  {module}")
+    if terminalreporter.config.getoption("record_module_times"):     # the modules this run ran; others kept
+        recorded = json.loads(MODULE_TIMES_FILE.read_text()) if MODULE_TIMES_FILE.exists() else {}
+        recorded.update({m: round(t, 1) for m, (t, _) in MODULE_TIMES.items()})
+        MODULE_TIMES_FILE.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
 
 
 def cpu_env(devices: int | None = None) -> dict:
