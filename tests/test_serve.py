@@ -47,8 +47,8 @@ def server(tmp_path_factory):
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "kimi_jax.serve", "--port", str(port), "--max-batch",
                                  str(SLOTS), "--max-new-tokens", str(MAX_NEW), "--max-len", str(MAX_LEN), "--budget",
-                                 "8", "--queue-size", "32", "--lazy-compile"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True)
+                                 "8", "--queue-size", "32", "--lazy-compile"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
