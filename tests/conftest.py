@@ -50,8 +50,31 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 # pytest's --durations (pyproject's addopts) lists the slowest tests; this adds the per-module sums that
 # docs/design.md "Tests" budgets. The controller sees every worker's reports, so the sums are of test time (setup,
 # call and teardown) across workers, not wall time.
-MODULE_TIMES: dict[str, list] = {}            # module -> [seconds, tests]
+MODULE_TIMES: dict[str, list] = {}            # module -> [seconds, tests, compile seconds]
 MODULE_TIMES_FILE = pathlib.Path(__file__).parent / "module_times.json"
+
+# The compile share of a test: JAX reports each program's tracing, lowering and XLA compile as monitoring events
+# (in this process; a subprocess's compiles count as plain test time). Summed per test in its worker, carried to
+# the controller in the report's user_properties.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+COMPILE_SECONDS = [0.0]
+
+
+def _count_compile(event: str, duration: float, **_):
+    if event in COMPILE_EVENTS:
+        COMPILE_SECONDS[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.user_properties.append(("compile_s", COMPILE_SECONDS[0]))
+    COMPILE_SECONDS[0] = 0.0
 
 
 def pytest_addoption(parser):
@@ -74,21 +97,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    entry = MODULE_TIMES.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    entry = MODULE_TIMES.setdefault(report.nodeid.split("::")[0], [0.0, 0, 0.0])
     entry[0] += report.duration
     entry[1] += report.when == "call"
+    entry[2] += dict(report.user_properties).get("compile_s", 0.0)
 
 
 def pytest_terminal_summary(terminalreporter):
     if not MODULE_TIMES:
         return
-    total = sum(t for t, _ in MODULE_TIMES.values())
-    terminalreporter.write_sep("=", f"test time per module ({total / 60:.1f} min in all, slowest first)")
-    for module, (seconds, tests) in sorted(MODULE_TIMES.items(), key=lambda kv: -kv[1][0]):
-        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {tests:5d} tests  {module}")
+    total = sum(t for t, _, _ in MODULE_TIMES.values())
+    compiling = sum(c for _, _, c in MODULE_TIMES.values())
+    terminalreporter.write_sep("=", f"test time per module ({total / 60:.1f} min in all, {compiling / 60:.1f} "
+                                    "compiling in the test processes; slowest first)")
+    for module, (seconds, tests, compile_s) in sorted(MODULE_TIMES.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}% {compile_s:8.1f} s compiling "
+                                    f"{tests:5d} tests  {module}")
     if terminalreporter.config.getoption("record_module_times"):     # the modules this run ran; others kept
         recorded = json.loads(MODULE_TIMES_FILE.read_text()) if MODULE_TIMES_FILE.exists() else {}
-        recorded.update({m: round(t, 1) for m, (t, _) in MODULE_TIMES.items()})
+        recorded.update({m: round(t, 1) for m, (t, _, _) in MODULE_TIMES.items()})
         MODULE_TIMES_FILE.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
 
 
