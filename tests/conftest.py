@@ -25,6 +25,10 @@ import tempfile  # noqa: E402
 # of them (fresh Models, CLI and server subprocesses, programs freed under mapping pressure): keep them all. Set
 # in the environment, so the subprocesses (which inherit it) keep theirs too.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The auto policy's calibration times each width as the best of 3 runs: the tests check what calibration does
+# (every process in step, tables stored and shared, monotone costs), not how steady its timings are, so one run
+# each (a third of the calibration time: most of the two-process auto decode's 3 minutes). Subprocesses inherit it.
+os.environ.setdefault("KIMI_JAX_CALIBRATION_REPEATS", "1")
 # The auto policy's cost tables and the CLI's compiled programs are cached on disk ($KIMI_JAX_CACHE); tests keep
 # theirs in a directory of this run, removed when the run ends (the process that made it removes it; pytest-xdist's
 # workers and the CLI subprocesses inherit the variable and share it), so nothing outlives the run and CI stays
