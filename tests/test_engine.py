@@ -133,24 +133,29 @@ def test_tree_verify_equals_causal_forward_over_each_path(target):
 
 @pytest.mark.slow
 def test_caches_after_every_round(model, ar_tokens, patch_draft):
-    """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features."""
+    """Target cache == a fresh prefill of the committed tokens; drafter cache rows == recomputed features. The
+    fresh prefill runs the committed tokens right-padded to one width (causal: the padding after them changes
+    none of their cache rows or taps), so one program serves every length."""
     patch_draft(oracle_draft(full_sequences(PROMPTS, ar_tokens), (1,)))
     request = model.prepare(PROMPTS, 24, "ddtree", 8)
     state, _ = model.prefill(request)
+    width = 64
+    fresh_prefill = jax.jit(lambda tokens: jit_forward(model.params, CFG, tokens, init_cache(CFG, 1, width),
+                                                       taps=DCFG.target_layer_ids))
+    drafter_kv = jax.jit(lambda taps: dflash.context_kv(model.drafter.params, DCFG, dflash.context_features(
+        model.drafter.params, DCFG, taps), jnp.arange(width)[None]))
     for _ in range(4):
         state, _ = engine.chunk_program(model.params, model.drafter_params, state, rounds=1, spec=request.spec)
         lengths = np.asarray(state.cache.lengths)
         for b in range(len(PROMPTS)):
-            committed = (PROMPTS[b] + ar_tokens[b])[:lengths[b]]
-            assert committed[-1] != -1 and len(committed) == lengths[b]
-            fresh = jit_forward(model.params, CFG, jnp.asarray([committed]), init_cache(CFG, 1, len(committed)),
-                                taps=DCFG.target_layer_ids)
-            np.testing.assert_allclose(state.cache.kv[:, b, :lengths[b]], fresh.cache.kv[:, 0], rtol=2e-4, atol=2e-4)
-            k, v = dflash.context_kv(model.drafter.params, DCFG,
-                                     dflash.context_features(model.drafter.params, DCFG, fresh.taps),
-                                     jnp.arange(lengths[b])[None])
-            np.testing.assert_allclose(state.drafter.k[:, b, :lengths[b]], k[:, 0], rtol=2e-4, atol=2e-4)
-            np.testing.assert_allclose(state.drafter.v[:, b, :lengths[b]], v[:, 0], rtol=2e-4, atol=2e-4)
+            n = lengths[b]
+            committed = (PROMPTS[b] + ar_tokens[b])[:n]
+            assert committed[-1] != -1 and len(committed) == n
+            fresh = fresh_prefill(jnp.asarray([committed + [0] * (width - n)]))
+            np.testing.assert_allclose(state.cache.kv[:, b, :n], fresh.cache.kv[:, 0, :n], rtol=2e-4, atol=2e-4)
+            k, v = drafter_kv(fresh.taps)
+            np.testing.assert_allclose(state.drafter.k[:, b, :n], k[:, 0, :n], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(state.drafter.v[:, b, :n], v[:, 0, :n], rtol=2e-4, atol=2e-4)
 
 
 def test_a_second_length_of_a_bucket_compiles_nothing(target, ar_tokens, caplog):
@@ -341,6 +346,28 @@ def test_cost_table_is_monotone_and_reloads_from_cache(model, monkeypatch, tmp_p
     again = kimi_jax.Model(CFG, model.params, drafter=model.drafter)
     np.testing.assert_allclose(again.cost_table(request), table, rtol=1e-6)
     assert again.generate(PROMPTS[:1], 8).stats["width_per_round"]             # auto by default, widths reported
+
+
+def test_calibration_runs_each_measurement_the_configured_number_of_times(monkeypatch):
+    """Per width: one warm-up run, then each of the two round limits ``repeats`` times ($KIMI_JAX_CALIBRATION_REPEATS,
+    3 by default or when unreadable); the seconds are the best runs' difference over the rounds' difference."""
+    from kimi_jax.decoding import costs
+    calls = []
+
+    def run(force, limit):
+        calls.append((force, limit))
+        return limit, np.ones(3)          # the outlook: expected tokens at each of the 3 widths
+
+    for value, repeats in (("2", 2), ("0", 1), ("many", 3), (None, 3)):
+        if value is None:
+            monkeypatch.delenv("KIMI_JAX_CALIBRATION_REPEATS")
+        else:
+            monkeypatch.setenv("KIMI_JAX_CALIBRATION_REPEATS", value)
+        calls.clear()
+        table = costs.measure(run, 3, rounds=(1, 5))
+        assert calls == [c for force in range(3) for c in [(force, 1)] + [(force, 1)] * repeats
+                         + [(force, 5)] * repeats], value
+        assert table.shape == (2, 3) and (table[0] > 0).all()
 
 
 @pytest.mark.slow
