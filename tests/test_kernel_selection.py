@@ -2,6 +2,8 @@
 DDTree generate program, with the default Runtime (impl "auto"), holds the GPU kernels when lowered for an H200
 from this CPU, and none when lowered for the CPU. No monkeypatching: the real compiler decides what it got."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +30,9 @@ def _abstract(tree):
     return jax.tree.map(lambda a: None if a is None else jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
+@functools.cache
 def _generate_program(impl: str):
-    """(lower(mesh or None) -> Lowered) for the embedded default's DDTree generate program, budget 8, with the
+    """(lower(target or None) -> Lowered, cached: several tests read the same lowering) for the embedded default's DDTree generate program, budget 8, with the
     INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies),
     in bfloat16 as a GPU runs it, the drafter too (the GPU kernels' rules refuse 32-bit caches, router inputs and
     drafter attention operands when compiled: a forced kernel would be an error; ``load`` keeps a drafter in
@@ -44,10 +47,11 @@ def _generate_program(impl: str):
     inputs = _abstract(inputs)
     lower = jax.jit(engine.generate_program, static_argnames=engine.STATICS).lower
 
-    def lowered(mesh):
-        if mesh is None:
+    @functools.cache
+    def lowered(target):
+        if target is None:
             return lower(inputs, **request.statics)
-        with targets.lowering_for(mesh):
+        with targets.lowering_for(targets.compile_mesh(target, 1)):
             return lower(inputs, **request.statics)
     return lowered
 
@@ -64,7 +68,7 @@ def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
     lowered = _generate_program(impl)
     for_cpu = lowered(None).as_text()
     assert TRITON_CALL not in for_cpu
-    for_gpu = lowered(targets.compile_mesh("h200", 1)).as_text()
+    for_gpu = lowered("h200").as_text()
     # the MoE kernel's two calls (gate/up, down) and the tree attention's, in the target forward of the rounds
     assert (for_gpu.count(TRITON_CALL) >= 3) == gpu_kernels
 
@@ -76,7 +80,7 @@ def test_generate_program_gets_the_kernels_of_its_target(impl, gpu_kernels):
 def test_generate_program_compiles_for_h200_with_gpu_kernels():
     """The whole DDTree generate program of a small K2-architecture model, default Runtime, compiled for an
     H200 with register spills as errors: GPU kernels in the executable, no interpret-mode loops."""
-    compiled = _generate_program("auto")(targets.compile_mesh("h200", 1)).compile(targets.compiler_options("h200"))
+    compiled = _generate_program("auto")("h200").compile(targets.compiler_options("h200"))
     assert compiled.as_text().count(TRITON_CALL) >= 3
 
 
@@ -112,8 +116,9 @@ def test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla():
     np.testing.assert_array_equal(att["auto"], att["xla"])
 
 
+@functools.cache
 def _k26_round(impl: str, target: str = "h200"):
-    """The lowered DDTree round (budget 16, 4096 slots) of K2.6 cut to 3 layers (1 dense, 2 MoE; every width
+    """(cached: several tests read the same lowering) The lowered DDTree round (budget 16, 4096 slots) of K2.6 cut to 3 layers (1 dense, 2 MoE; every width
     K2.6's, bf16, INT4 experts) on 8 compile-only ``target`` GPUs at TP-8, both kernels' impl ``impl``."""
     from bench.layer_ops import LAYERS, DENSE, small_k26
     from kimi_jax.analysis import target_sweep
@@ -178,14 +183,14 @@ def test_each_tpu_gets_its_kernels_in_a_k26_round(target):
 def test_the_embedded_generate_program_gets_tpu_kernels_on_a_tpu():
     lowered = _generate_program("auto")
     assert TPU_CALL not in lowered(None).as_text()
-    assert lowered(targets.compile_mesh("v5e", 1)).as_text().count(TPU_CALL) >= 3
+    assert lowered("v5e").as_text().count(TPU_CALL) >= 3
 
 
 @pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_the_mosaic_k26_round_compiles_for_h200():
-    lowered, layers, moe = _k26_round("mosaic")
+    lowered, layers, moe = _k26_round("mosaic", "h200")
     compiled = lowered.compile(targets.compiler_options("h200"))
     assert compiled.as_text().count(MOSAIC_CALL) == 2 * moe + layers
 
