@@ -30,19 +30,23 @@ mosaic = jax.jit(lambda x, i, w, ex, tiles: int4_moe_mosaic(x, i, w, ex, interpr
 triton = jax.jit(lambda x, i, w, ex: int4_moe(x, i, w, ex, impl="pallas", interpret=True))
 
 
-# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70. The fast
-# run keeps one swapped case; the rest of the matrix (64-row blocks included) is slow.
+# block_m None: the default, 8 rows (swapped kernels) at 1 and 13 tokens, 32 (swapped) at 37, 64 at 70. Every case
+# runs with the default block and with 64-row blocks, and the stage count alternates (each case and each block size
+# meets both 1 stage and the default): the stages only change the copy ring, which test_mosaic_pipeline_wraps_its_
+# ring covers from 1 to 4 stages, so the full cross product (16 interpreted runs) repeats what these 8 check. The fast
+# run keeps one swapped case; the rest is slow.
 CASES = [(13, 2, "random"),       # ragged groups
          (1, 4, "random"),        # decode: one token, one real row per block
          (37, 2, "one_expert"),   # 37 rows on expert 3 plus the rest: two 32-row blocks, or one 64-row block
          (70, 2, "one_expert")]   # 70 rows on expert 3: two blocks of one expert
+MATRIX = [(*case, (Tiles().stages, 1)[(i + j) % 2], bm)
+          for i, case in enumerate(CASES) for j, bm in enumerate((None, 64))]
 FAST = {(13, Tiles().stages, None)}
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("t,k,kind,stages,block_m", [
-    pytest.param(*case, stages, bm, marks=() if (case[0], stages, bm) in FAST else pytest.mark.slow)
-    for case in CASES for stages in (1, Tiles().stages) for bm in (None, 64)])
+    pytest.param(*case, marks=() if (case[0], case[3], case[4]) in FAST else pytest.mark.slow) for case in MATRIX])
 def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
     ex = random_experts(0, e=E, d=D, f=F)
     idx, w = routing(t + k, t, k, e=E, kind=kind)
@@ -55,13 +59,13 @@ def test_mosaic_interpret_matches_reference(t, k, kind, stages, block_m):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("stages,block_m", [pytest.param(2, None, marks=pytest.mark.slow)] + [
-    pytest.param(s, bm, marks=pytest.mark.slow) for s, bm in [(4, None), (2, 64), (1, None), (3, None), (4, 64),
-                                                                (3, 8)]])
+@pytest.mark.parametrize("stages,block_m", [pytest.param(s, bm, marks=pytest.mark.slow)
+                                             for s, bm in [(2, None), (4, None), (2, 64), (1, None), (3, 8)]])
 def test_mosaic_pipeline_wraps_its_ring(stages, block_m):
     """D = 1024 and F = 512: 4 chunks in gate/up and 2 in down, so the copy ring wraps (2, 3 stages), fills
     exactly (down at 2) or holds more slots than chunks (4 stages); all must give the Triton kernel's numbers.
-    The default block here is 16 rows (swapped)."""
+    The default block here is 16 rows (swapped); 8 and 64 rows once each (each stage count once: the ring's
+    slots do not depend on the block, and 4 stages at 64 rows or 3 at 16 repeated these)."""
     d, f, e = 1024, 512, 2      # two experts: the least interpret-mode work
     ex = random_experts(1, e=e, d=d, f=f)
     idx, w = routing(5, 9, 2, e=e)
