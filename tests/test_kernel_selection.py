@@ -32,11 +32,11 @@ def _abstract(tree):
 
 @functools.cache
 def _generate_program(impl: str):
-    """(lower(target or None) -> Lowered, cached: several tests read the same lowering) for the embedded default's DDTree generate program, budget 8, with the
-    INT4 weights as stored (abstract: a program for another target never takes this host's prepared copies),
-    in bfloat16 as a GPU runs it, the drafter too (the GPU kernels' rules refuse 32-bit caches, router inputs and
-    drafter attention operands when compiled: a forced kernel would be an error; ``load`` keeps a drafter in
-    float32)."""
+    """(lower(target or None) -> Lowered; both cached, since several tests read the same lowering) for the
+    embedded default's DDTree generate program, budget 8, with the INT4 weights as stored (abstract: a program
+    for another target never takes this host's prepared copies), in bfloat16 as a GPU runs it, the drafter too
+    (the GPU kernels' rules refuse 32-bit caches, router inputs and drafter attention operands when compiled: a
+    forced kernel would be an error; ``load`` keeps a drafter in float32)."""
     rt = kimi_jax.Runtime(moe_impl=impl, attn_impl=impl)
     model = kimi_jax.load(str(TARGET), drafter=str(DRAFTER), runtime=rt, dtype=jax.numpy.bfloat16)
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)
@@ -117,9 +117,10 @@ def test_pallas_on_a_cpu_runs_interpret_mode_and_matches_xla():
 
 
 @functools.cache
-def _k26_round(impl: str, target: str = "h200"):
-    """(cached: several tests read the same lowering) The lowered DDTree round (budget 16, 4096 slots) of K2.6 cut to 3 layers (1 dense, 2 MoE; every width
-    K2.6's, bf16, INT4 experts) on 8 compile-only ``target`` GPUs at TP-8, both kernels' impl ``impl``."""
+def _k26_round(impl: str, target: str):
+    """The lowered DDTree round (budget 16, 4096 slots) of K2.6 cut to 3 layers (1 dense, 2 MoE; every width
+    K2.6's, bf16, INT4 experts; cached, since several tests read the same lowering, with no default target so
+    that every call names the same key) on 8 compile-only ``target`` GPUs at TP-8, both kernels' impl ``impl``."""
     from bench.layer_ops import LAYERS, DENSE, small_k26
     from kimi_jax.analysis import target_sweep
     cfg, dcfg = small_k26()
