@@ -20,6 +20,9 @@ sequential decode would have written at slot P + k: nothing is recomputed.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -108,6 +111,39 @@ def rows_view(kv_layer, page_table):
     b, per_row = page_table.shape
     pages = kv_layer.at[page_table].get(mode="fill", fill_value=0)             # [b, per_row, page, latent]
     return pages.reshape(b, per_row * kv_layer.shape[1], kv_layer.shape[2])
+
+
+def slot_buckets(n_slots: int, smallest: int = 64) -> tuple[int, ...]:
+    """The slot counts an attention may read: powers of two from ``smallest`` up to below n_slots, then n_slots."""
+    buckets = []
+    while smallest < n_slots:
+        buckets.append(smallest)
+        smallest *= 2
+    return (*buckets, n_slots)
+
+
+def over_used_slots(used, n_slots: int, read: Callable[[int], jax.Array], smallest: int = 64):
+    """``read(s)`` for the smallest of ``slot_buckets(n_slots, smallest)`` that holds ``used`` (run-time: no row
+    sees a slot at or past it), picked by ``lax.switch``. ``read(s)`` attends over each row's first s slots only,
+    which is exact when no key past ``used`` is visible: one program whose attention costs what the rows' lengths
+    need, where the plain form reads every slot of a cache sized for the longest request. ``smallest``: the
+    fewest slots any call can need (its own new rows; buckets below it would never be picked)."""
+    buckets = slot_buckets(n_slots, max(smallest, 1))
+    if len(buckets) == 1:
+        return read(n_slots)
+    index = jnp.sum(jnp.asarray(buckets[:-1], jnp.int32) < used)
+    return jax.lax.switch(index, [functools.partial(read, s) for s in buckets])
+
+
+def rows_upto(kv, page_table, slots: int, layer=None):
+    """``rows_view`` of each row's first ``slots`` logical slots (of a paged cache: the first whole pages holding
+    them, so possibly a few more) of the storage ``kv``, or with ``layer`` of that layer of the whole cache
+    [layers, ...]; only those rows are read (no copy of the layer's other slots)."""
+    if page_table is None:
+        return kv[:, :slots] if layer is None else kv[layer, :, :slots]
+    pages = page_table[:, :-(-slots // kv.shape[-2])]
+    got = (kv.at[pages] if layer is None else kv.at[layer, pages]).get(mode="fill", fill_value=0)
+    return got.reshape(pages.shape[0], -1, kv.shape[-1])
 
 
 def commit(cache: KVCache, path: jax.Array, path_len: jax.Array) -> KVCache:

@@ -146,8 +146,11 @@ class Runtime:
     call and lowering target; a forced implementation that does not take a call is an error saying why).
     mesh: a jax.sharding.Mesh to run on (None: one device); the model's MoE blocks then run in
     shard_map over it with the strategy named by the mesh's axes (kimi_jax.sharding.infer_strategy) unless
-    ``strategy`` names one. prefill_chunk: prompts longer than this run in chunks of it (attention memory
-    O(chunk x context) instead of O(prompt^2)). page_size: 0 keeps one contiguous latent cache block per row;
+    ``strategy`` names one. prefill_chunk: prompts run in chunks of this many tokens, as many as the longest prompt
+    needs (a run-time count: one program for every prompt length; attention memory O(chunk x context) instead of
+    O(prompt^2)); larger chunks pay on GPUs for long prompts (fewer passes over the weights), smaller ones waste
+    less on short prompts. context: the cache slots per row of a ``Model``'s programs, capped at the model's
+    context (``kimi_jax.decoding.programs``: one program serves every length up to it). page_size: 0 keeps one contiguous latent cache block per row;
     N > 0 pages the cache in pages of N slots, each row owning only the pages its own length needs
     (kimi_jax.cache; one device only for now). graph_loops: on GPUs, loops and branches become CUDA-graph nodes
     (``compile_options``). split_k: False compiles every GEMM on a GPU without split-K (one kernel where XLA's
@@ -163,7 +166,8 @@ class Runtime:
     attn_impl: str = "auto"
     mesh: Any = None
     strategy: str | None = None
-    prefill_chunk: int = 1024
+    prefill_chunk: int = 64
+    context: int = 32768
     page_size: int = 0
     graph_loops: bool = True
     split_k: bool = True
@@ -174,6 +178,8 @@ class Runtime:
             raise ConfigError(f"moe_impl/attn_impl must be one of {IMPLS}, got {self.moe_impl}/{self.attn_impl}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.context < 1:
+            raise ConfigError(f"context must be >= 1, got {self.context}")
         if self.page_size < 0:      # what each attention implementation takes is its rule (ops.registry)
             raise ConfigError(f"page_size must be 0 (contiguous) or > 0, got {self.page_size}")
         if self.page_size and self.mesh is not None:

@@ -13,7 +13,7 @@ from kimi_jax.decoding import drafter as dflash
 from kimi_jax.decoding.engine import GenerationError
 from kimi_jax.model.params import init_params
 from kimi_jax.model import compute_layout
-from kimi_jax.model.transformer import forward
+from kimi_jax.model.transformer import forward, full_logits
 
 CFG = preset("tiny").replace(eos_token_ids=())
 DCFG = dflash.DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -158,24 +158,39 @@ def test_caches_after_every_round(model, ar_tokens, patch_draft):
             np.testing.assert_allclose(state.drafter.v[:, b, :n], v[:, 0, :n], rtol=2e-4, atol=2e-4)
 
 
-def test_a_second_length_of_a_bucket_compiles_nothing(target, ar_tokens, caplog):
-    """max_new_tokens is bucketed (the program's output slots) and the actual count is a run-time input: a new
-    length in the bucket reuses the program, says so with compile_s == 0 and no compile log line, and emits
-    exactly the first tokens of plain greedy decoding."""
+def _greedy_without_cache(params, prompt, n, width=64):
+    """Plain greedy decoding by brute force: a causal forward over the whole sequence per token (no cache, no
+    engine), padded to one width so one program serves every step."""
+    run = jax.jit(lambda tokens: full_logits(params, CFG, tokens))
+    seq = list(prompt)
+    for _ in range(n):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(seq)] = seq
+        seq.append(int(np.argmax(run(padded)[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+def test_a_new_length_compiles_nothing(target, caplog):
+    """Lengths are run-time inputs: after a first call, another max_new_tokens and other prompt lengths (on either
+    side of the old power-of-two buckets: 3 -> 9 and 11 -> 17 prompt tokens) run the same program: compile_s 0.0,
+    no compile log line, and exactly the tokens of greedy decoding by brute force."""
     m = kimi_jax.Model(CFG, target)
+    reference = [_greedy_without_cache(target, p, 24) for p in PROMPTS]
     with caplog.at_level("INFO", logger="kimi_jax"):
         first = m.generate(PROMPTS, 20, method="ar")
     assert first.stats["compile_s"] > 0
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled generate ar batch 2 "
-                                                                                 "prompt 16 max_new 32 cache 64")]
+    context = CFG.max_position_embeddings
+    assert [r.getMessage() for r in caplog.records] == [
+        f"compiled generate ar batch 2 prompt {context} max_new {context} cache {context} in "
+        f"{first.stats['compile_s']:.1f}s"]
     caplog.clear()
     with caplog.at_level("INFO", logger="kimi_jax"):
-        second = m.generate(PROMPTS, 24, method="ar")
-        third = m.generate(PROMPTS, 17, method="ar")
-    assert second.stats["compile_s"] == third.stats["compile_s"] == 0.0 and not caplog.records
-    assert first.tokens == [t[:20] for t in ar_tokens]
-    assert second.tokens == ar_tokens and third.tokens == [t[:17] for t in ar_tokens]
-    assert (second.stats["rounds"], third.stats["rounds"]) == (23, 16)     # prefill emits one, each AR round one
+        second = m.generate(PROMPTS, 17, method="ar")
+        longer = m.generate([p + r[:6] for p, r in zip(PROMPTS, reference)], 18, method="ar")
+    assert second.stats["compile_s"] == longer.stats["compile_s"] == 0.0 and not caplog.records
+    assert first.tokens == [r[:20] for r in reference] and second.tokens == [r[:17] for r in reference]
+    assert longer.tokens == [r[6:] for r in reference]
+    assert (second.stats["rounds"], longer.stats["rounds"]) == (16, 17)     # prefill emits one, each AR round one
 
 
 @pytest.mark.slow

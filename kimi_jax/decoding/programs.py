@@ -6,15 +6,18 @@ the server's batcher, the benchmarks), so every program is compiled the same way
 CUDA graph, no host read per round), and a log line when it happens. The auto policy's cost table is
 calibrated here too (``Programs.cost_table``), by timing the generate program that serves the request.
 
-Layout (``lay_out``): prompts are right-padded to a power of two (at least 16). The cache's slots per row are
-the longest prompt + ``max_new_tokens`` + one tree, rounded up to a power of two (at least 64) and capped at the
-context, as before; the program's static output slots are ``max_new_tokens`` rounded up to a power of two (at
-least 16), at most the cache's slots. The actual count is a run-time input (``engine.Inputs.max_tokens``), so
-a new length reuses the compiled program wherever it gives the same two buckets (and prompt width), and emits
-exactly the tokens it would have with a program of its own. The cache is not grown to the output bucket: a
-request never holds more cache than its own length needs (a length that crosses a cache bucket compiles). A
-paged cache's pool holds the pages the rows can touch at their actual lengths (``kimi_jax.cache.pool_size``:
-rounded up to 8 pages), as before.
+Layout (``lay_out``): no program depends on a length. A request's cache has ``Runtime.context`` slots per row
+(default 32768), capped at the model's context: for the embedded default, the whole context of 1024. Its output
+slots are as many (the count a row emits is a run-time input, ``engine.Inputs.max_tokens``), and its prompt array
+is whole chunks of ``Runtime.prefill_chunk`` as wide (the prefill runs as many chunks as the longest prompt needs,
+a run-time count). What costs follows the lengths inside the one program: the prefill's chunk loop, the XLA
+attention's block loop over the committed prefix (``kimi_jax.ops.tree_attention.xla``), the reads of the full-form
+and drafter attention up to the longest row (``kimi_jax.cache.over_used_slots``); the GPU and TPU kernels stream
+each row's own blocks already. So a notebook ``Model`` compiles once per (method and tree width, batch size,
+sampling and processing switches) and never again for another prompt or output length. A request longer than
+``Runtime.context`` (a model whose context is wider) gets a cache of its length rounded up to a power of two, as
+before: its own program. A paged cache's pool holds one row's worth of pages, or the pages the rows can touch at
+their actual lengths (``kimi_jax.cache.pool_size``) rounded up to a power of two where that is more.
 
 Compile log: each compile logs one line at INFO on the ``kimi_jax`` logger, naming the program, its shapes and
 the seconds (``compiled generate ddtree/16 batch 1 prompt 16 max_new 64 cache 128 in 14.8s``).
@@ -87,22 +90,32 @@ class Request:
 def layout(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, lens: np.ndarray,
            max_tokens: int) -> tuple[int, int, int]:
     """(output slots, cache slots per row, page-pool pages or 0) for rows of prompt lengths ``lens`` that emit up
-    to ``max_tokens`` new tokens under ``spec``: the bucketing rule of the module doc."""
-    max_len = min(bucket(int(lens.max()) + max_tokens + spec.nodes + 1, 64), cfg.max_position_embeddings)
-    max_new = min(bucket(max_tokens), max_len)      # two buckets: one value for every length sharing them
+    to ``max_tokens`` new tokens under ``spec``: the rule of the module doc."""
+    context = cfg.max_position_embeddings
+    need = int(lens.max()) + max_tokens + spec.nodes + 1
+    max_len = min(max(rt.context, bucket(need, 64)), context)
     page = rt.page_size
     if not page:
-        return max_new, max_len, 0
-    # Logical rows in whole pages; the pool holds only the pages each row can touch.
+        return max_len, max_len, 0
+    # Logical rows in whole pages; the pool holds one row's worth, or the pages these rows can touch at their
+    # actual lengths rounded up to a power of two where that is more.
     max_len = -(-max_len // page) * page
-    return max_new, max_len, pool_size(engine.row_capacity(lens, max_tokens, spec), max_len, page)
+    touched = pool_size(engine.row_capacity(lens, max_tokens, spec), max_len, page)
+    return max_len, max_len, max(max_len // page, bucket(touched, 8))
+
+
+def prompt_width(rt: Runtime, max_len: int) -> int:
+    """The prompt array's width for a cache of ``max_len`` slots: whole chunks of ``rt.prefill_chunk`` (the
+    prefill runs as many as the longest prompt needs), or the cache's width when one chunk holds it."""
+    chunk = rt.prefill_chunk
+    return max_len if max_len <= chunk else -(-max_len // chunk) * chunk
 
 
 def lay_out(cfg: ModelConfig, rt: Runtime, spec: engine.Spec, rows: list[list[int]], max_tokens: int) -> Request:
     """The Request of prompt rows (token ids, validated) that emit up to ``max_tokens`` new tokens each."""
     lens = np.asarray([len(r) for r in rows], np.int32)
     max_new, max_len, pool = layout(cfg, rt, spec, lens, max_tokens)
-    padded = np.zeros((len(rows), min(bucket(int(lens.max())), cfg.max_position_embeddings)), np.int32)
+    padded = np.zeros((len(rows), prompt_width(rt, max_len)), np.int32)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = r
     return Request(spec, padded, lens, max_new, max_len, pool, max_tokens=max_tokens)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from kimi_jax import cache as cache_lib
 from kimi_jax import sharding
-from kimi_jax.cache import rows_view
+from kimi_jax.cache import over_used_slots, rows_upto
 from kimi_jax.config import ModelConfig, Runtime
 from kimi_jax.ops.latent import api as latent_op
 from kimi_jax.ops.numerics import MASK_VALUE, apply_rope
@@ -111,12 +111,25 @@ def attend(cq, kv, page_table, visible, lengths, new_mask, positions, inv_freq, 
         raise ValueError(f"attention form {form!r} is not 'absorbed' or 'full'")
     if form == "full":
         q_nope, q_pe = queries(cq, p, cfg, positions, inv_freq)
-        return attend_full(q_nope, q_pe, rows_view(kv if layer is None else kv[layer], page_table), visible, p, cfg)
+        def read(slots):        # visible keys lie below the longest row's length + t (cache.over_used_slots)
+            rows = rows_upto(kv, page_table, slots, layer)
+            return attend_full(q_nope, q_pe, rows, visible[..., :rows.shape[1]], p, cfg)
+        n_slots, t = visible.shape[-1], cq.shape[1]
+        if partitioned_slots(rt):
+            return read(n_slots)
+        return over_used_slots(jnp.max(lengths) + t, n_slots, read, t)
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     if rt is not None and rt.mesh is not None:
         return _tree_on_local_heads(cq, positions, inv_freq, kv, lengths, new_mask, p, cfg, rt, impl, layer)
     return attend_tree(cq, positions, inv_freq, kv, page_table, lengths, new_mask, p, cfg, impl, layer)
+
+
+def partitioned_slots(rt: Runtime | None) -> bool:
+    """Whether ``rt``'s strategy splits the cache's slots over the mesh (dcp)."""
+    if rt is None or rt.mesh is None:
+        return False
+    return bool(sharding.get_strategy(rt.strategy or sharding.infer_strategy(rt.mesh)).mesh_axes("slots", rt.mesh))
 
 
 def _tree_on_local_heads(cq, positions, inv_freq, kv, lengths, new_mask, p, cfg: ModelConfig, rt: Runtime,

@@ -135,36 +135,50 @@ def forward(params, cfg: ModelConfig, tokens, cache: KVCache, *, positions=None,
 
 def chunked_forward(params, cfg: ModelConfig, tokens, cache: KVCache, chunk: int, *, last=None,
                     taps: Sequence[int] = (), attn_form: str = "absorbed", rt: Runtime = Runtime()) -> ForwardOut:
-    """``forward`` of tokens [b, t] (t a multiple of ``chunk``) in a scan over chunks of ``chunk`` tokens, each
+    """``forward`` of tokens [b, t] (t a multiple of ``chunk``) in a loop over chunks of ``chunk`` tokens, each
     attending to the cache so far plus itself: activations O(chunk x cache slots) instead of O(t x t).
 
-    last [b]: keep only the logits at position last[b] (returned as [b, 1, vocab]); None keeps all [b, t, vocab]
-    (what ``Model.logits`` returns; a long prompt's prefill needs one row). Taps are kept for every position.
+    last [b]: keep only the logits at position last[b] (returned as [b, 1, vocab]), and run only the chunks up to
+    the longest row's last position (a run-time count: one program serves every prompt length up to t; taps past
+    it are zeros). None runs every chunk and keeps all logits [b, t, vocab] (what ``Model.logits`` returns).
+    Taps are kept for every position.
     """
     b, t = tokens.shape
     if t % chunk:
         raise ValueError(f"{t} tokens are not a whole number of chunks of {chunk}")
     n = t // chunk
 
-    def body(c, xs):
-        kv, i = c
-        toks = xs
-        out = forward(params, cfg, toks, cache.replace(kv=kv, lengths=cache.lengths + i * chunk), taps=taps,
-                      attn_form=attn_form, rt=rt)
-        if last is None:
-            logits = out.logits
-        else:                               # the row's last position, if it falls in this chunk (else zeros)
-            j = last - i * chunk
-            hit = (j >= 0) & (j < chunk)
-            logits = jnp.where(hit[:, None, None], jnp.take_along_axis(
-                out.logits, jnp.clip(j, 0, chunk - 1)[:, None, None], axis=1), 0.0)
-        return (out.cache.kv, i + 1), (logits, out.taps, out.loads)
+    def run(i, kv):
+        toks = jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1)
+        return forward(params, cfg, toks, cache.replace(kv=kv, lengths=cache.lengths + i * chunk), taps=taps,
+                       attn_form=attn_form, rt=rt)
 
-    xs = tokens.reshape(b, n, chunk).transpose(1, 0, 2)
-    (kv, _), (logits, tapped, loads) = jax.lax.scan(body, (cache.kv, jnp.int32(0)), xs)
-    logits = logits.sum(0) if last is not None else logits.transpose(1, 0, 2, 3).reshape(b, t, -1)
-    tapped = tapped.transpose(1, 2, 0, 3, 4).reshape(tapped.shape[1], b, t, tapped.shape[-1])
-    return ForwardOut(logits, cache.replace(kv=kv), tapped, loads.sum(0))
+    if last is None:
+        def step(kv, i):
+            out = run(i, kv)
+            return out.cache.kv, (out.logits, out.taps, out.loads)
+
+        kv, (logits, tapped, loads) = jax.lax.scan(step, cache.kv, jnp.arange(n, dtype=jnp.int32))
+        logits = logits.transpose(1, 0, 2, 3).reshape(b, t, -1)
+        tapped = tapped.transpose(1, 2, 0, 3, 4).reshape(tapped.shape[1], b, t, tapped.shape[-1])
+        return ForwardOut(logits, cache.replace(kv=kv), tapped, loads.sum(0))
+
+    def body(i, carry):
+        kv, logits, tapped, loads = carry
+        out = run(i, kv)
+        j = last - i * chunk                # the row's last position, if it falls in this chunk
+        hit = (j >= 0) & (j < chunk)
+        logits = logits + jnp.where(hit[:, None, None], jnp.take_along_axis(
+            out.logits, jnp.clip(j, 0, chunk - 1)[:, None, None], axis=1), 0.0)
+        tapped = jax.lax.dynamic_update_slice_in_dim(tapped, out.taps, i * chunk, axis=2)
+        return out.cache.kv, logits, tapped, loads + out.loads
+
+    start = (cache.kv, jnp.zeros((b, 1, cfg.vocab_size), jnp.float32),
+             jnp.zeros((len(tuple(taps)), b, t, cfg.hidden_size), params["embed"].dtype),
+             jnp.zeros((cfg.num_moe_layers, cfg.n_routed_experts), jnp.float32))
+    used = jnp.minimum(jnp.max(last) // chunk + 1, n)
+    kv, logits, tapped, loads = jax.lax.fori_loop(0, used, body, start)
+    return ForwardOut(logits, cache.replace(kv=kv), tapped, loads)
 
 
 def causal_forward(params, cfg: ModelConfig, tokens, attn_form: str = "full",

@@ -20,6 +20,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kimi_jax.cache import over_used_slots
 from kimi_jax.ops.drafter_attention.pallas_triton import MAX_GROUP, attend_pallas
 from kimi_jax.ops.drafter_attention.reference import attend_reference
 from kimi_jax.ops.registry import Implementation, Lowering, Op, always, with_reference_jvp
@@ -116,7 +117,12 @@ def attend(qkv, k_ctx, v_ctx, visible, *, layer=None, impl: str = "auto", interp
 
     def reference(qkv, k_ctx, v_ctx, visible, layer):
         q, k_blk, v_blk = unpack_qkv(qkv)
-        return attend_reference(q, k_ctx[layer[0]], v_ctx[layer[0]], k_blk, v_blk, visible)
+        def read(slots):        # the context rows below `slots` (no copy of the others), and the block's own
+            seen = jnp.concatenate([visible[..., :slots], visible[..., s:]], axis=-1)
+            return attend_reference(q, k_ctx[layer[0], :, :slots], v_ctx[layer[0], :, :slots], k_blk, v_blk, seen)
+        # no query sees a context row at or past `used`: reading up to it is exact (cache.over_used_slots)
+        used = jnp.max(jnp.where(jnp.any(visible[..., :s], axis=1), jnp.arange(1, s + 1), 0))
+        return over_used_slots(used, s, read)
 
     call = DrafterAttentionCall(t, kv_heads * (slots - 2), kv_heads, hd, s,
                                 tuple(jnp.dtype(x.dtype).name for x in (qkv, k_ctx, v_ctx)))

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kimi_jax.cache import rows_view
 from kimi_jax.ops.tree_attention.merge import project
 from kimi_jax.ops.tree_attention.pallas_tpu import latent_attention_tpu
 from kimi_jax.ops.tree_attention.pallas_triton import latent_attention_pallas
@@ -85,9 +84,11 @@ def latent_attention(q_lat, q_pe, kv, lengths, new_mask, scale: float, *, impl: 
         return o_lat if w_uv is None else project(o_lat, w_uv, w_uv_from)
 
     def xla(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, w_uv):
-        kv = kv if layer is None else kv[layer]
-        return projected(latent_attention_xla(q_lat, q_pe, rows_view(kv, page_table), lengths, new_mask,
-                                              scale).astype(dtype), w_uv)
+        # the prefix in blocks up to the longest row (xla.py), except where the partitioner splits the slots
+        # (dcp): a block's gather would then move rows between devices
+        o_lat = latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale, page_table, layer,
+                                     blocked=not partitioned)
+        return projected(o_lat.astype(dtype), w_uv)
 
     def pallas(q_lat, q_pe, kv, lengths, new_mask, page_table, layer, w_uv, *, interpret):
         return latent_attention_pallas(q_lat, q_pe, kv, lengths, new_mask, scale, interpret=interpret,

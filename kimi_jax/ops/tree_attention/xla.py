@@ -5,8 +5,10 @@ prefix (no mask beyond ``s < lengths``, shared by every query) and the ``t`` tre
 part gives a partial state (running max ``m``, sum ``l``, unnormalised output ``acc``) and the states merge by
 log-sum-exp: ``o = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i``.
 
-**impl="xla"**: that recipe with two dense einsum passes (prefix over all ``s`` slots masked by ``s < lengths``,
-tree over the ``t`` rows gathered at ``lengths + j``), merged by LSE.
+**impl="xla"**: that recipe with einsum passes (the prefix masked by ``s < lengths``, the tree over the ``t`` rows
+gathered at ``lengths + j``), merged by LSE. The prefix runs in blocks of 128 slots in a loop whose trip count is
+the longest row's (a run-time value): one program serves every length, at the cost of the lengths it attends
+over and not of the cache's size (a notebook Model's cache spans its whole context; kimi_jax.decoding.programs).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kimi_jax.cache import gather
+from kimi_jax.cache import gather, locate
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 
 
@@ -65,13 +67,47 @@ def merge_states(m, l, acc, axis: int):
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale):
+def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale, page_table=None, layer=None,
+                         block: int = 128, blocked: bool = True):
+    """The module doc's recipe over kv [b, s, r + p] (a page pool with ``page_table``; with ``layer``, that layer
+    of the whole cache [layers, ...], read in place). ``blocked``: the prefix pass runs over blocks of ``block``
+    slots, as many as the longest row's length needs (a run-time count, so its cost follows the rows' lengths and
+    not the cache's size, with one loop body compiled); a contiguous cache whose slots are not whole blocks, or
+    of one block, or ``blocked=False``: one dense pass over every slot."""
     r = q_lat.shape[-1]
     b, t = new_mask.shape[:2]
-    s = kv.shape[1]
-    prefix_vis = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]           # [b, 1, 1, s]
-    m1, l1, a1 = _partial_state(q_lat, q_pe, kv[..., :r], kv[..., r:], prefix_vis, scale)
-    rows, ok = tree_rows(kv, None, lengths, t, t, s)
+    page = kv.shape[-2]
+    n_slots = page_table.shape[1] * page if page_table is not None else page
+
+    def rows_at(slots):                 # [b, n, r + p] at logical slots [b, n]; zeros where there is no storage
+        where = locate(page_table, slots, b, page, kv.shape[-3])
+        return (kv.at[where] if layer is None else kv.at[(layer, *where)]).get(mode="fill", fill_value=0)
+
+    def prefix_state(first, size):      # the partial state of the prefix's slots first + [0, size)
+        slots = first + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
+        if page_table is not None:
+            rows = rows_at(slots)
+        elif layer is None:             # a slice, not a gather: the slots are whole blocks (no clamped start)
+            rows = lax.dynamic_slice_in_dim(kv, first, size, axis=1)
+        else:
+            rows = lax.dynamic_slice(kv, (layer, 0, first, 0), (1, b, size, kv.shape[-1]))[0]
+        visible = (slots < lengths[:, None])[:, None, None, :]                                 # [b, 1, 1, size]
+        return _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], visible, scale)
+
+    def online(i, state):               # the flash update with block i
+        m, l, acc = state
+        mi, li, ai = prefix_state(i * block, block)
+        new_m = jnp.maximum(m, mi)
+        old, now = jnp.exp(m - new_m), jnp.exp(mi - new_m)
+        return new_m, l * old + li * now, acc * old[..., None] + ai * now[..., None]
+
+    if blocked and n_slots > block and (page_table is not None or n_slots % block == 0):
+        # block 0 outside the loop: a short context runs no iteration (on CPUs each one costs a dispatch)
+        m1, l1, a1 = lax.fori_loop(1, -(-jnp.max(lengths) // block), online, prefix_state(0, block))
+    else:
+        m1, l1, a1 = prefix_state(0, n_slots)
+    _, slot, ok = tree_slots(lengths, t, t, n_slots)
+    rows = jnp.where(ok[:, :, None], rows_at(slot), jnp.zeros((), kv.dtype))
     tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
     m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
     return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
