@@ -772,7 +772,7 @@ def ddtree_round(plan: Plan, ctx: dict, rec: dict) -> None:
         params = random_params(cfg, rng_key(5), dtype)
         rec.setdefault("weight_bytes", sum(a.nbytes for a in jax.tree.leaves(params)))
         model = kimi_jax.Model(cfg, params, drafter=dflash.Drafter(dcfg, dparams),
-                               runtime=Runtime(moe_impl=impl, attn_impl=impl))
+                               runtime=Runtime(moe_impl=impl, attn_impl=impl, context=plan.round_context))
         cp = model.compute_params
         # The programs run on compute_params (per-layer buffers): the stacked originals they do not share can
         # go, keeping only their shapes for the host-side checks (halves the round's memory at K2.6 size).

@@ -23,18 +23,23 @@ ROOT = "checkpoints"
 CALLS = [(60, 64), (30, 100), (150, 20), (90, 300), (10, 7), (200, 256), (45, 33), (120, 128)]
 
 
-def session(model, calls, method, budget, repeats):
-    """-> (tokens per call, best decode seconds per call, programs compiled, seconds compiling)."""
-    tokens, seconds = [], []
+def session(layouts: dict, calls, method, budget, repeats):
+    """-> {layout: (tokens per call, best decode seconds per call)}. Each call runs on every layout in turn (its
+    first run compiles where it must), then ``repeats`` timed runs alternate between them, so load on the machine
+    falls on both."""
+    out = {name: ([], []) for name in layouts}
     for prompt, n in calls:
-        tokens.append(model.generate([prompt], n, method=method, budget=budget).tokens[0])
-        best = float("inf")
+        best = dict.fromkeys(layouts, float("inf"))
+        for name, model in layouts.items():
+            out[name][0].append(model.generate([prompt], n, method=method, budget=budget).tokens[0])
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.generate([prompt], n, method=method, budget=budget)
-            best = min(best, time.perf_counter() - t0)
-        seconds.append(best)
-    return tokens, seconds, len(model.programs._compiled), model.programs.compile_s
+            for name, model in layouts.items():
+                t0 = time.perf_counter()
+                model.generate([prompt], n, method=method, budget=budget)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        for name in layouts:
+            out[name][1].append(best[name])
+    return out
 
 
 def main():
@@ -48,12 +53,12 @@ def main():
     layouts = {"per length": load(Runtime(context=1)), "one program": load(Runtime())}
     heldout = heldout_prompts(layouts["one program"].tokenizer, a.calls, max(n for n, _ in CALLS), seed=5)
     calls = [(h[:n], m) for h, (n, m) in zip(heldout, CALLS[:a.calls])]
-    results = {name: session(m, calls, method, budget, a.repeats) for name, m in layouts.items()}
-    (tok_a, sec_a, n_a, c_a), (tok_b, sec_b, n_b, c_b) = results.values()
+    results = session(layouts, calls, method, budget, a.repeats)
+    (tok_a, sec_a), (tok_b, sec_b) = results.values()
     assert tok_a == tok_b, "the two layouts emitted different tokens"
     print(f"method {a.method}, {a.calls} calls on held-out prompts (the stdlib's held-out files), embedded default")
-    for name, (_, _, n, c) in results.items():
-        print(f"  {name:12s}: {n} programs, {c:.1f} s compiling")
+    for name, model in layouts.items():
+        print(f"  {name:12s}: {len(model.programs._compiled)} programs, {model.programs.compile_s:.1f} s compiling")
     print(f"  {'prompt':>6s} {'new':>4s} {'per length s':>13s} {'one program s':>14s} {'ratio':>6s}")
     for (prompt, n), x, y in zip(calls, sec_a, sec_b):
         print(f"  {len(prompt):6d} {n:4d} {x:13.3f} {y:14.3f} {x / y:6.2f}")

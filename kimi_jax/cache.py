@@ -114,11 +114,13 @@ def rows_view(kv_layer, page_table):
 
 
 def slot_buckets(n_slots: int, smallest: int = 64) -> tuple[int, ...]:
-    """The slot counts an attention may read: powers of two from ``smallest`` up to below n_slots, then n_slots."""
+    """The slot counts an attention may read: ``smallest`` times powers of four below n_slots, then n_slots. Four
+    apart, not two: each is a branch compiled into the program, and reading up to 4x the slots used costs less
+    than compiling twice the branches (``over_used_slots``)."""
     buckets = []
     while smallest < n_slots:
         buckets.append(smallest)
-        smallest *= 2
+        smallest *= 4
     return (*buckets, n_slots)
 
 

@@ -305,7 +305,7 @@ TINY = ModelConfig(
     num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
     n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
-    rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=4096, rope_factor=64.0,
+    rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=512, rope_factor=64.0,
     rope_original_max_position_embeddings=64, rope_beta_fast=32.0, rope_beta_slow=1.0,
     eos_token_ids=(1,),
 )

@@ -82,6 +82,34 @@ def test_paged_attention_equals_dense_reference(impl, t):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
+def test_xla_attention_reads_a_long_paged_cache_in_blocks():
+    """A paged cache of 384 logical slots (pages shuffled in the pool, garbage in the spare ones): the XLA path's
+    prefix loop gathers each 128-slot block through the table, as many as the longest row needs, and equals the
+    dense-mask oracle on the contiguous rows."""
+    rng = np.random.default_rng(3)
+    b, t, h, r, p, s = 3, 4, 4, 32, 16, 384
+    q, qpe = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for d in (r, p))
+    lengths = [3, 140, 300]
+    caps = [n + t for n in lengths]
+    kv = within_storage(jnp.asarray(rng.normal(size=(1, b, s, r + p)), jnp.float32), caps)
+    pool, table = paged_copy(kv, caps, PAGE)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    ref = dense_reference(q, qpe, kv[0], jnp.asarray(lengths, jnp.int32), mask, 0.3)
+    out = jax.jit(lambda *a: latent_attention(*a, 0.3, impl="xla", page_table=table))(
+        q, qpe, pool[0], jnp.asarray(lengths, jnp.int32), mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_over_used_slots_reads_the_smallest_bucket_that_holds_the_used_slots():
+    """cache.over_used_slots against brute force: for every used count (bucket edges included) the branch taken
+    is the smallest of 64, 256, 1024, 1500 slots that holds it (the last: the cache's own width)."""
+    assert cache_lib.slot_buckets(1500) == (64, 256, 1024, 1500) and cache_lib.slot_buckets(64) == (64,)
+    pick = jax.jit(lambda used: cache_lib.over_used_slots(used, 1500, lambda s: jnp.int32(s)))
+    for used in (0, 1, 64, 65, 256, 257, 1024, 1025, 1500):
+        assert int(pick(used)) == min(s for s in (64, 256, 1024, 1500) if s >= used), used
+    assert int(jax.jit(lambda u: cache_lib.over_used_slots(u, 1500, lambda s: jnp.int32(s), 100))(1)) == 100
+
+
 def test_paged_commit_equals_contiguous_commit():
     rng = np.random.default_rng(1)
     kv = jnp.asarray(rng.normal(size=(2, 3, 128, 8)), jnp.float32)

@@ -75,7 +75,7 @@ def test_a_prefill_from_cached_pages_equals_the_whole_prompts_prefill(model, met
     hit, cached = b._prefill(ids, (False, False), 1.0, 0)
     t = len(ids)
     assert cached >= 16 and cached % 16 == 0
-    prompt = np.zeros((1, b.buckets[-1]), np.int32)
+    prompt = np.zeros((1, b.prompt_width), np.int32)
     prompt[0, :t] = ids
     whole, _ = b._run_prefill(prompt, np.asarray([t], np.int32), (False, False), 1.0, 0)
     np.testing.assert_allclose(np.asarray(hit.cache.kv[:, 0, :t]), np.asarray(whole.cache.kv[:, 0, :t]),

@@ -34,8 +34,9 @@ def _abstract(tree):
 @pytest.mark.slow            # two programs of the embedded default compiled for an H200: ~20 s each
 @pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
 def test_servers_chunk_program_launches_rounds_as_generate_does():
+    # generate's cache as the batcher's (128 slots): the XLA attention's block loop runs only past 128
     model = kimi_jax.load(os.path.join(ROOT, "checkpoints", "target"),
-                          drafter=os.path.join(ROOT, "checkpoints", "drafter"))
+                          drafter=os.path.join(ROOT, "checkpoints", "drafter"), runtime=Runtime(context=128))
     batcher = Batcher(model, max_batch=1, max_new=8, max_len=128, budget=8, prefix_pages=0)
     served, served_inputs = batcher._program((False, False), 1)  # what the batcher's greedy dispatches run
     request = model.prepare("def f(x):\n", 8, "ddtree", 8)

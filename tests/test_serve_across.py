@@ -88,7 +88,7 @@ def test_two_processes_serve_what_one_process_decodes(tmp_path):
         model = kimi_jax.load(str(DEFAULT_TARGET))
         eos = set(model.config.eos_token_ids)
         # 8 requests on 2 slots: each slot joins and retires rows several times (16 took twice as long to show
-        # the same), prompts of both prompt buckets, outputs of 4 to 16 tokens
+        # the same), prompts of several lengths, outputs of 4 to 16 tokens
         prompts = [model.tokenizer.encode(p)[:30] for p in _prompts(REQUESTS)]   # the server takes up to 38 tokens
         lengths = [4 + (i * 5) % (MAX_NEW - 3) for i in range(REQUESTS)]
 

@@ -65,6 +65,20 @@ def test_causal(t, lengths, splits):
     check_all(q, qpe, kv, lengths, causal(3, t), block_k=16, num_splits=splits)
 
 
+@pytest.mark.parametrize("lengths", [[0, 5, 20], [0, 128, 382]])
+def test_xla_prefix_in_blocks_equals_the_dense_reference(lengths):
+    """A cache of 384 slots: the XLA path's prefix loop (128-slot blocks, as many as the longest row needs: none
+    past the first for short rows; three with a row mid-block whose last tree slots fall past the cache end), read
+    from one layer's rows and in place from the whole cache [layers, ...], equals the dense-mask oracle."""
+    q, qpe, kv = inputs(7, 3, 4, 4, 32, 16, 384)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    ref = np.asarray(dense_reference(q, qpe, kv, lengths, causal(3, 4), 0.3))
+    run = jax.jit(lambda kv, layer: latent_attention(q, qpe, kv, lengths, causal(3, 4), 0.3, impl="xla",
+                                                     layer=layer, out_dtype=jnp.float32))
+    for got in (run(kv, None), run(jnp.stack([kv * 0 + 7, kv]), 1)):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
 @pytest.mark.interpret
 @pytest.mark.slow
 def test_ddtree_tree_with_padding():

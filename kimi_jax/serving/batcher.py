@@ -36,7 +36,7 @@ with each other, sampling requests with each other, each split by processors on 
 only by a sampling request that starts a batch (the key is the batch's).
 A request's ``max_tokens`` is its row's run-time limit (``engine.State.limit``): the row stops emitting there
 inside the dispatch. Every program (the batch's rounds, join, retire and regroup for every slot bucket, the
-prefill of each prompt-length bucket) comes from the model's program layer (``kimi_jax.decoding.programs``:
+prefill, whose prompt array has one width for every prompt length) comes from the model's program layer (``kimi_jax.decoding.programs``:
 compiled with the platform's ``compile_options``, as ``Model.generate``'s) and is compiled by ``warm()`` before
 the server listens. Under ``budget="auto"`` the drafter
 stays on only where trees can pay both for a lone request and for a full batch (``_spec``), and each slot bucket
@@ -77,7 +77,7 @@ from kimi_jax import fields
 from kimi_jax.api import STRUCTURED, Model, token_logprobs
 from kimi_jax.decoding import engine, processors
 from kimi_jax.decoding.engine import GenerationError, State
-from kimi_jax.decoding.programs import Request, bucket
+from kimi_jax.decoding.programs import Request, prompt_width
 from kimi_jax.serving.peers import Peers
 from kimi_jax.serving.prefix_cache import PrefixCache, PrefixStats
 
@@ -85,6 +85,11 @@ log = logging.getLogger("kimi_jax.serve")
 
 
 # ---- rows join and leave a running batch between dispatches -------------------------------------------------
+
+# The prompt width of blank batch states and of the batch programs' requests: a state's shapes do not depend on
+# it, and a narrow one is a prefill without the chunk loop (16 of those programs compile at warm-up)
+BLANK_PROMPT = 16
+
 
 def row_axes(state: State):
     """A State-shaped tree of ints: the batch axis of every field. Every field is a row's own, at axis 0 (the
@@ -217,8 +222,8 @@ class Batcher:
         if self.max_prompt < 1:
             raise GenerationError(f"max_new {max_new} + tree {nodes + 1} leaves no room for a prompt in a cache of "
                                   f"{self.max_len}")
-        self.buckets = sorted({min(bucket(n), self.max_prompt) for n in (1 << k for k in range(4, 31))
-                               if n < 2 * self.max_prompt})
+        # one prompt width for every prompt: the prefill runs as many chunks as a prompt needs (a run-time count)
+        self.prompt_width = prompt_width(model.runtime, self.max_prompt)
         self.slot_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
         self.queue_size = queue_size
         self.stats = Stats()
@@ -313,19 +318,17 @@ class Batcher:
     # ---- programs ---------------------------------------------------------------------------------------------
     def warm(self, log=print) -> None:
         """Compile every program the loop can run, for greedy and for sampling batches, each with the logits
-        processors on and off (on: unless ``processing=False``): each prompt bucket's
-        prefill (and the prefix cache's store of its pages), and for each slot bucket its rounds, join, retire,
+        processors on and off (on: unless ``processing=False``): the prefill of a prompt (and the prefix cache's
+        store of its pages), and for each slot bucket its rounds, join, retire,
         its growth from the bucket below and its compaction into every smaller one."""
         t0 = time.perf_counter()
         for kind in self.specs:
-            rows = []
-            for t in self.buckets:
-                if self.prefix is not None:
-                    self.prefix.clear()     # a miss: the bucket's whole prompt is prefilled, its pages stored
-                rows.append(self._prefill([1] * min(t, self.max_prompt), kind, 1.0, 0)[0])
+            if self.prefix is not None:
+                self.prefix.clear()         # a miss: the whole prompt is prefilled, its pages stored
+            row = self._prefill([1] * self.max_prompt, kind, 1.0, 0)[0]
             below = None
             for slots in self.slot_buckets:
-                state = self._run(join, self._blank(kind, slots=slots), rows[0], np.int32(0))  # one row shape
+                state = self._run(join, self._blank(kind, slots=slots), row, np.int32(0))
                 state = self._dispatch(self._run(retire, state, np.ones(slots, bool)), kind)
                 if below is not None:
                     self._run(regroup, below, _moved(below.done.shape[0], slots))
@@ -370,7 +373,7 @@ class Batcher:
         """The batch's program layout (max_new, max_len) for ``slots`` rows of ``prompt`` (default: blank) that
         stop after ``max_tokens`` new tokens (default: max_new)."""
         if prompt is None:
-            prompt, lens = np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32)
+            prompt, lens = np.ones((slots, BLANK_PROMPT), np.int32), np.ones(slots, np.int32)
         return Request(spec, prompt, lens, self.max_new, self.max_len, max_tokens=max_tokens)
 
     @property
@@ -390,8 +393,7 @@ class Batcher:
         prefix = None if self.prefix is None else self.prefix.lookup(ids)
         cached = 0 if prefix is None else int(prefix.length[0])
         rest = ids[cached:]
-        t = next(b for b in self.buckets if b >= len(rest))
-        prompt = np.zeros((1, t), np.int32)
+        prompt = np.zeros((1, self.prompt_width), np.int32)
         prompt[0, :len(rest)] = rest
         state, rows = self._run_prefill(prompt, np.asarray([len(rest)], np.int32), kind, temperature, seed, prefix,
                                         max_tokens, processing)
@@ -402,7 +404,7 @@ class Batcher:
     def _blank(self, kind, temperature=1.0, seed=0, slots: int | None = None):
         """A batch state of ``slots`` (default: the smallest bucket) slots, every one free (done)."""
         slots = slots or self.slot_buckets[0]
-        state, _ = self._run_prefill(np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32), kind,
+        state, _ = self._run_prefill(np.ones((slots, BLANK_PROMPT), np.int32), np.ones(slots, np.int32), kind,
                                      temperature, seed)
         return self._run(retire, state, np.ones(slots, bool))
 
