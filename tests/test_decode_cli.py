@@ -178,6 +178,18 @@ def test_bad_prompt_file_is_one_line_naming_it(tmp_path, kind, words, decode):
     one_line_error(decode("--prompt-file", path), f"prompt file {path!r}", *words)
 
 
+def test_a_door_without_its_extra_names_the_extra():
+    """``python -m kimi_jax.serve`` where the serve extra is missing (its h11 hidden from the import system): one
+    line naming the extra to install, status 2, no traceback, before any model loads."""
+    script = ("import runpy, sys; sys.modules['h11'] = None; sys.argv = ['kimi_jax.serve']; "
+              "runpy.run_module('kimi_jax.serve', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=cpu_env())
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == ["kimi_jax.serve: error: it needs h11, from the serve extra: pip install "
+                                       "'kimi-jax[serve]' (in a checkout: .venv/bin/pip install -e '.[serve]')"]
+
+
 @pytest.mark.parametrize("flags", [["--seed", "-1"], ["--prompt-file", "/"]])
 def test_bad_input_fails_before_jax_loads(flags):
     """A bad flag or prompt file is reported without importing JAX (seconds on a cold start), or any model."""

@@ -9,6 +9,9 @@ shared experts over the F split), and the entry has one for the vocab-split embe
 2 x 61 + 1 = 123. The greedy argmax over the vocab-split logits adds two tiny all-gathers (value, index).
 """
 
+import json
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -100,3 +103,19 @@ def test_full_k26_at_262144_tokens_dcp_holds_an_eighth_of_the_cache():
     assert tp["kv_bytes_262k"] == 61 * ctx * 576 * 2 == 8 * dcp["kv_bytes_262k"]
     assert tp["argument_bytes"] - dcp["argument_bytes"] == pytest.approx(7 / 8 * tp["kv_bytes_262k"], rel=0.01)
     assert dcp["all_reduce_count"] > tp["all_reduce_count"] and dcp["all_gather_count"] > tp["all_gather_count"]
+
+
+def test_a_quick_sweep_leaves_the_committed_tables(monkeypatch, tmp_path):
+    """``--quick`` (a part of the sweep) writes its table under $KIMI_JAX_CACHE/sweep and says so; the committed
+    sharding/results/sweep.{json,csv} keep their bytes. The cell's compile is stubbed: a cell that fails is a row
+    too, which is all the writing needs."""
+    monkeypatch.setenv("KIMI_JAX_CACHE", str(tmp_path))
+    committed = {name: (Path(sweep.RESULTS) / name).read_bytes() for name in ("sweep.json", "sweep.csv")}
+    monkeypatch.setattr(sweep, "run_cell", lambda cell, compile_context: 1 / 0)
+    assert sweep._sweep(["--quick"]) == 0
+    rows = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [(r["strategy"], r["devices"], r["status"].split(":")[0]) for r in rows] == [("tp", 8, "error")]
+    assert {name: (Path(sweep.RESULTS) / name).read_bytes() for name in committed} == committed
+    assert sweep.results_dir(None, partial=False, merge=False) == sweep.RESULTS       # the whole sweep: committed
+    assert sweep.results_dir(None, partial=True, merge=True) == sweep.RESULTS
+    assert sweep.results_dir(str(tmp_path), partial=False, merge=False) == str(tmp_path)

@@ -24,7 +24,9 @@ sharding (nothing is allocated). Per device it reports:
 * the roofline round time per hardware profile (``kimi_jax.analysis.roofline.predict_round_time`` at ``--context``).
 
 Cells a strategy cannot serve (a mesh axis that does not divide heads/experts/F/batch) are recorded with the
-reason. Results go to sharding/results/sweep.{csv,json} and PNG plots.
+reason. A whole sweep (or ``--merge``) writes sharding/results/sweep.{csv,json} and PNG plots, the committed tables;
+a part of one (``--quick``, ``--cells``) writes to $KIMI_JAX_CACHE/sweep (``results_dir``), so a first look leaves
+the committed tables as they are. ``--out`` puts either anywhere.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def table(rows: list[dict], devices: int = 8, batches=(1, 64), profile: str = "h
         if r["devices"] != devices or r["batch"] not in batches:
             continue
         if r["status"] != "ok":
-            lines.append(f"| {r['strategy']} | {r['mesh']} | {r['batch']} | {r['budget']} | "
+            lines.append(f"| {r['strategy']} | {r.get('mesh', '-')} | {r['batch']} | {r['budget']} | "
                          f"{r['status'][:90]} |" + " |" * 8)
             continue
         other = r["reduce_scatter_count"] + r["collective_permute_count"]
@@ -257,6 +259,17 @@ def _target_sweep(args) -> int:
     return 0
 
 
+def results_dir(out: str | None, partial: bool, merge: bool) -> str:
+    """Where a fake-device sweep writes: ``out`` if given; the committed sharding/results for a whole sweep or a
+    merge into it; else (a part of a sweep replacing the whole table) $KIMI_JAX_CACHE/sweep."""
+    if out:
+        return out
+    if merge or not partial:
+        return RESULTS
+    from kimi_jax.decoding.costs import cache_root
+    return os.path.join(cache_root(), "sweep")
+
+
 def main(argv=None) -> int:
     from kimi_jax.cli.exits import run_command
     return run_command("kimi_jax.analysis.sweep", lambda: _sweep(argv))
@@ -266,7 +279,7 @@ def _sweep(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m kimi_jax.analysis.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell: tp, 8 devices, batch 1, budget 16")
     ap.add_argument("--cells", nargs="*", default=[], help="filters like strategy=tp,ep devices=8 batch=1,64")
-    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--out", default=None, help="where results go (default: results_dir)")
     ap.add_argument("--context", type=int, default=COMPILE_CONTEXT,
                     help="latent-cache slots the cells compile with (e.g. 262144: memory at full K2.6 context)")
     ap.add_argument("--merge", action="store_true", help="merge into existing sweep.json instead of replacing")
@@ -277,7 +290,9 @@ def _sweep(argv) -> int:
                     "each strategy's); results go to <target>_d<devices>_<mesh>")
     args = ap.parse_args(argv)
     if args.target:
+        args.out = args.out or RESULTS
         return _target_sweep(args)
+    args.out = results_dir(args.out, args.quick or bool(args.cells), args.merge)
     if args.quick:
         cells = [Cell("tp", 8, 1, 16)]
     else:

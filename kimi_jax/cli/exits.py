@@ -1,6 +1,7 @@
 """How every command starts and ends. It starts on the CPU alone when no accelerator is attached and the user
 chose no JAX platform (kimi_jax.cli.platform: no plugin tracebacks before our output). It ends with its own status,
-one line on stderr and status 1 for input it cannot use, or one line and status 130 on Ctrl-C (SIGINT), within
+one line on stderr and status 1 for input it cannot use, one line naming the extra to install and status 2 where an
+optional dependency is missing (``EXTRAS``), or one line and status 130 on Ctrl-C (SIGINT), within
 milliseconds even inside an XLA compile. Neither reaches the user as a traceback.
 
 Interrupted work leaves nothing half-written: checkpoints appear by atomic renames only, conversion resumes from
@@ -25,6 +26,12 @@ _USER_ERRORS = (("kimi_jax.config", "ConfigError"), ("kimi_jax.decoding.drafter"
                 ("kimi_jax.fields", "GenerationError"), ("kimi_jax.sharding", "ShardingError"),
                 ("kimi_jax.weights.checkpoint", "CheckpointError"))
 
+# The optional dependencies' modules and the extra of pyproject.toml that installs each: a command that needs one
+# names the extra (status 2), never a traceback. jax's CUDA plugin comes with both cuda12 and compile; a command
+# that runs on a GPU needs cuda12.
+EXTRAS = {"fastapi": "serve", "starlette": "serve", "uvicorn": "serve", "h11": "serve", "prometheus_client": "serve",
+          "jax_triton": "cuda12", "jax_cuda12_plugin": "cuda12", "libtpu": "compile"}
+
 _commands: list[str] = []          # the run_command calls in progress, innermost last: Ctrl-C names the innermost
 _exiting = threading.Lock()        # held for good by the first thread that prints "interrupted"
 
@@ -48,6 +55,14 @@ def run_command(prog: str, body: Callable[[], int | None], extra_errors: tuple =
         return body() or 0
     except KeyboardInterrupt:
         _interrupted(prog)
+    except ModuleNotFoundError as e:
+        module = (e.name or "").split(".")[0]
+        if module not in EXTRAS:
+            raise
+        extra = EXTRAS[module]
+        print(f"{prog}: error: it needs {module}, from the {extra} extra: pip install 'kimi-jax[{extra}]' (in a "
+              f"checkout: .venv/bin/pip install -e '.[{extra}]')", file=sys.stderr)
+        return 2
     except user_errors() + tuple(extra_errors) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
