@@ -9,7 +9,8 @@ Per layer and token the cache holds one latent row ``[c_kv | k_pe]``. Two layout
   Table entries equal to ``pages`` are unmapped: reads there give zeros, writes are dropped.
 
 A contiguous cache is the paged one with one page per row (``page_size = slots``, ``page_table[b] = [b]``), so
-every function below has one body over (page, offset) indices; only ``rows_view`` skips the gather.
+every function below has one body over (page, offset) indices; only ``rows_upto`` (and ``rows_view``) of a
+contiguous cache slice instead of gathering.
 
 A forward pass writes its new tokens' rows at slots ``lengths[b] + t`` (scratch space past the committed prefix)
 and never moves ``lengths``; the caller commits what it keeps. For plain decoding that is every row; for a
@@ -96,21 +97,18 @@ def write(kv, page_table, layer, slots, rows):
     return kv.at[layer, page, off].set(rows.astype(kv.dtype), mode="drop")
 
 
-def gather(kv_layer, page_table, slots):
-    """Rows [b, n, latent] of one layer (kv_layer [pages_or_batch, ...]) at logical slots [b, n]; zeros where
-    a slot has no storage."""
-    page, off = locate(page_table, slots, slots.shape[0], kv_layer.shape[1], kv_layer.shape[0])
-    return kv_layer.at[page, off].get(mode="fill", fill_value=0)
+def gather(kv, page_table, slots, layer=None):
+    """Rows [b, n, latent] at logical slots [b, n] of one layer's storage kv [pages_or_batch, ...], or with
+    ``layer`` of that layer of the whole cache [layers, ...] (read in place); zeros where a slot has no storage."""
+    where = locate(page_table, slots, slots.shape[0], kv.shape[-2], kv.shape[-3])
+    return (kv.at[where] if layer is None else kv.at[(layer, *where)]).get(mode="fill", fill_value=0)
 
 
 def rows_view(kv_layer, page_table):
     """One layer's logical rows [b, max_len, latent]: the array itself when contiguous, the pages gathered
-    through the table when paged (unmapped pages read as zeros)."""
-    if page_table is None:
-        return kv_layer
-    b, per_row = page_table.shape
-    pages = kv_layer.at[page_table].get(mode="fill", fill_value=0)             # [b, per_row, page, latent]
-    return pages.reshape(b, per_row * kv_layer.shape[1], kv_layer.shape[2])
+    through the table when paged (unmapped pages read as zeros): ``rows_upto`` of every slot."""
+    page = kv_layer.shape[1]
+    return rows_upto(kv_layer, page_table, page if page_table is None else page_table.shape[1] * page)
 
 
 def slot_buckets(n_slots: int, smallest: int = 64) -> tuple[int, ...]:
@@ -138,9 +136,9 @@ def over_used_slots(used, n_slots: int, read: Callable[[int], jax.Array], smalle
 
 
 def rows_upto(kv, page_table, slots: int, layer=None):
-    """``rows_view`` of each row's first ``slots`` logical slots (of a paged cache: the first whole pages holding
-    them, so possibly a few more) of the storage ``kv``, or with ``layer`` of that layer of the whole cache
-    [layers, ...]; only those rows are read (no copy of the layer's other slots)."""
+    """Each row's first ``slots`` logical rows [b, slots, latent] (of a paged cache: the whole pages holding them,
+    so possibly a few more; unmapped pages read as zeros) of one layer's storage ``kv``, or with ``layer`` of that
+    layer of the whole cache [layers, ...]; only those rows are read (no copy of the layer's other slots)."""
     if page_table is None:
         return kv[:, :slots] if layer is None else kv[layer, :, :slots]
     pages = page_table[:, :-(-slots // kv.shape[-2])]

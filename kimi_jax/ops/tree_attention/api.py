@@ -18,7 +18,7 @@
 Every query must see at least one key (true in the model: every node sees itself). A query that sees nothing
 gets zeros here, where the dense form (``mla._softmax`` with a finite mask value) would average all slots.
 
-impl="xla" (``xla.py``; a paged cache is gathered into its logical rows first) or impl="pallas"
+impl="xla" (``xla.py``; a paged cache is gathered through its table block by block) or impl="pallas"
 (``pallas_triton.py``: split-K over the committed prefix, each row reading only its own blocks, of a paged cache
 through the table) or impl="mosaic" (``mosaic_gpu.py``: the same split-K on Hopper TMA + wgmma, 16-bit caches;
 compiled where the program is lowered for a GPU, in Pallas' GPU interpret mode with interpret=True, refused

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kimi_jax.cache import gather, locate
+from kimi_jax.cache import gather
 from kimi_jax.ops.numerics import F32, MASK_VALUE
 
 
@@ -79,14 +79,10 @@ def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale, page_table=N
     page = kv.shape[-2]
     n_slots = page_table.shape[1] * page if page_table is not None else page
 
-    def rows_at(slots):                 # [b, n, r + p] at logical slots [b, n]; zeros where there is no storage
-        where = locate(page_table, slots, b, page, kv.shape[-3])
-        return (kv.at[where] if layer is None else kv.at[(layer, *where)]).get(mode="fill", fill_value=0)
-
     def prefix_state(first, size):      # the partial state of the prefix's slots first + [0, size)
         slots = first + jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (b, size))
         if page_table is not None:
-            rows = rows_at(slots)
+            rows = gather(kv, page_table, slots, layer)
         elif layer is None:             # a slice, not a gather: the slots are whole blocks (no clamped start)
             rows = lax.dynamic_slice_in_dim(kv, first, size, axis=1)
         else:
@@ -107,7 +103,7 @@ def latent_attention_xla(q_lat, q_pe, kv, lengths, new_mask, scale, page_table=N
     else:
         m1, l1, a1 = prefix_state(0, n_slots)
     _, slot, ok = tree_slots(lengths, t, t, n_slots)
-    rows = jnp.where(ok[:, :, None], rows_at(slot), jnp.zeros((), kv.dtype))
+    rows = jnp.where(ok[:, :, None], gather(kv, page_table, slot, layer), jnp.zeros((), kv.dtype))
     tree_vis = (new_mask & ok[:, None, :])[:, :, None, :]                                  # [b, t, 1, t]
     m2, l2, a2 = _partial_state(q_lat, q_pe, rows[..., :r], rows[..., r:], tree_vis, scale)
     return merge_states(jnp.stack([m1, m2]), jnp.stack([l1, l2]), jnp.stack([a1, a2]), axis=0)
